@@ -1,0 +1,165 @@
+//! Idempotency keys and payload fingerprints.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+use crate::Error;
+
+/// The longest id a [`Key`] accepts, in bytes.
+pub const MAX_ID_BYTES: usize = 512;
+/// The longest namespace a [`Key`] accepts, in bytes.
+pub const MAX_NAMESPACE_BYTES: usize = 128;
+
+/// An idempotency key: a namespace (one per service or consumer group) plus an id.
+///
+/// Both parts are valid UTF-8, non-empty and free of NUL bytes; the id is at most
+/// [`MAX_ID_BYTES`] bytes and the namespace at most [`MAX_NAMESPACE_BYTES`]. Anything else
+/// is refused with [`Error::InvalidKey`] naming the reason. Use [`Key::hashed`] for
+/// business ids that may be long.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key {
+    namespace: String,
+    id: String,
+}
+
+impl Key {
+    /// Builds a key, validating both parts.
+    pub fn new(namespace: impl Into<String>, id: impl Into<String>) -> Result<Self, Error> {
+        let namespace = namespace.into();
+        let id = id.into();
+        check("namespace", &namespace, MAX_NAMESPACE_BYTES)?;
+        check("id", &id, MAX_ID_BYTES)?;
+        Ok(Key { namespace, id })
+    }
+
+    /// Builds a key from raw bytes, as they arrive in a Kafka header or message key.
+    ///
+    /// Bytes that are not UTF-8 are refused with [`Error::InvalidKey`].
+    pub fn from_bytes(namespace: impl Into<String>, id: &[u8]) -> Result<Self, Error> {
+        let id = std::str::from_utf8(id).map_err(|e| {
+            Error::invalid_key(format!("id is not valid UTF-8 (at byte {})", e.valid_up_to()))
+        })?;
+        Key::new(namespace, id)
+    }
+
+    /// Builds a key whose id is the SHA-256 hex of `id`, so any business id, however long
+    /// or binary, becomes a 64-character id. An empty `id` is still refused.
+    pub fn hashed(namespace: impl Into<String>, id: impl AsRef<[u8]>) -> Result<Self, Error> {
+        let id = id.as_ref();
+        if id.is_empty() {
+            return Err(Error::invalid_key("id is empty"));
+        }
+        Key::new(namespace, hex::encode(Sha256::digest(id)))
+    }
+
+    /// The namespace part.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The id part.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+fn check(part: &str, value: &str, max: usize) -> Result<(), Error> {
+    if value.is_empty() {
+        return Err(Error::invalid_key(format!("{part} is empty")));
+    }
+    if value.len() > max {
+        return Err(Error::invalid_key(format!(
+            "{part} is {} bytes, over the limit of {max}",
+            value.len()
+        )));
+    }
+    if let Some(at) = value.bytes().position(|b| b == 0) {
+        return Err(Error::invalid_key(format!("{part} has a NUL byte at {at}")));
+    }
+    Ok(())
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.id)
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Key({self})")
+    }
+}
+
+/// A SHA-256 digest of a payload, fixed at the first claim of a key so that a different
+/// payload under the same key is answered [`Mismatch`](crate::ClaimOutcome::Mismatch).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    /// The fingerprint of `payload`.
+    pub fn of(payload: &[u8]) -> Self {
+        Fingerprint(Sha256::digest(payload).into())
+    }
+
+    /// Lower-case hex, 64 characters.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// Parses the 64-character hex form; anything else is [`Error::Corrupt`].
+    pub fn from_hex(text: &str) -> Result<Self, Error> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(text, &mut out)
+            .map_err(|e| Error::corrupt(format!("bad fingerprint {text:?}: {e}")))?;
+        Ok(Fingerprint(out))
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", &self.to_hex()[..12])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reason(e: Error) -> String {
+        match e {
+            Error::InvalidKey { reason } => reason,
+            other => panic!("expected InvalidKey, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn refuses_bad_ids_with_a_reason() {
+        assert!(reason(Key::new("ns", "").unwrap_err()).contains("id is empty"));
+        assert!(reason(Key::new("", "x").unwrap_err()).contains("namespace is empty"));
+        let long = "a".repeat(MAX_ID_BYTES + 1);
+        assert!(reason(Key::new("ns", long).unwrap_err()).contains("513 bytes"));
+        assert!(reason(Key::new("ns", "a\0b").unwrap_err()).contains("NUL byte at 1"));
+        assert!(reason(Key::from_bytes("ns", &[0x66, 0xff]).unwrap_err()).contains("UTF-8"));
+        assert!(Key::new("ns", "a".repeat(MAX_ID_BYTES)).is_ok());
+    }
+
+    #[test]
+    fn hashed_keeps_long_ids_short_and_stable() {
+        let long = vec![7u8; 10_000];
+        let a = Key::hashed("ns", &long).unwrap();
+        assert_eq!(a.id().len(), 64);
+        assert_eq!(a, Key::hashed("ns", &long).unwrap());
+        assert_ne!(a, Key::hashed("ns", b"other").unwrap());
+        assert!(Key::hashed("ns", b"").is_err());
+    }
+
+    #[test]
+    fn fingerprint_hex_round_trips() {
+        let f = Fingerprint::of(b"payload");
+        assert_eq!(Fingerprint::from_hex(&f.to_hex()).unwrap(), f);
+        assert_ne!(f, Fingerprint::of(b"payload2"));
+        assert!(matches!(Fingerprint::from_hex("zz"), Err(Error::Corrupt { .. })));
+    }
+}

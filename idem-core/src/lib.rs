@@ -1,0 +1,26 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod backend;
+pub mod clock;
+mod engine;
+mod error;
+mod handler;
+mod key;
+pub mod machine;
+mod memory;
+mod model;
+mod record;
+
+pub use backend::{Backend, Capabilities};
+pub use engine::{Engine, EngineBuilder, Outcome, WaitPolicy};
+pub use error::{BoxError, Error, Result};
+pub use handler::{Context, HandlerError};
+pub use key::{Fingerprint, Key, MAX_ID_BYTES, MAX_NAMESPACE_BYTES};
+pub use memory::MemoryBackend;
+pub use model::Model;
+pub use record::{Claim, ClaimKind, ClaimOutcome, FailureKind, Lease, Record, State, Timestamp};
+
+pub use async_trait::async_trait;
+pub use bytes::Bytes;

@@ -1,0 +1,236 @@
+//! The state machine of DESIGN.md as pure functions: given the record a store holds (or
+//! none), a request and the deciding clock's `now`, they return the answer and the record
+//! to store. The in-memory backend and the [`Model`](crate::Model) apply them as they are;
+//! the other backends implement the same table in their store's language (Lua, SQL,
+//! condition expressions) and the conformance suite checks that they agree.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::{Claim, ClaimKind, ClaimOutcome, FailureKind, Lease, Record, State, Timestamp};
+
+/// The error text a record gets when a claim finds its lease lapsed with no attempts left.
+pub fn lapsed_error(attempts: u32) -> String {
+    format!("lease lapsed during attempt {attempts}")
+}
+
+/// Whether `record` still exists at `now`: a record past its `expires_at` counts as absent.
+pub fn is_live(record: &Record, now: Timestamp) -> bool {
+    record.expires_at.is_none_or(|at| now < at)
+}
+
+/// Whether `record` is `Processing` under a lease that has not lapsed at `now`.
+pub fn lease_is_live(record: &Record, now: Timestamp) -> bool {
+    record.state == State::Processing && record.lease_until.is_some_and(|until| now < until)
+}
+
+/// The answer to `claim` against `current`, and the record to write (`None`: unchanged).
+pub fn claim(
+    current: Option<&Record>,
+    claim: &Claim,
+    now: Timestamp,
+) -> (ClaimOutcome, Option<Record>) {
+    let current = current.filter(|r| is_live(r, now));
+    let Some(rec) = current else {
+        return grant(None, claim, ClaimKind::First, now);
+    };
+    if let (Some(have), Some(want)) = (rec.fingerprint, claim.fingerprint) {
+        if have != want {
+            return (ClaimOutcome::Mismatch, None);
+        }
+    }
+    let max = claim.max_attempts.max(1);
+    match rec.state {
+        State::Completed => (
+            ClaimOutcome::Completed(rec.response.clone().unwrap_or_default()),
+            None,
+        ),
+        State::Failed if rec.permanent || rec.attempts >= max => (poisoned(rec), None),
+        State::Failed => grant(Some(rec), claim, ClaimKind::Retry, now),
+        State::Processing if lease_is_live(rec, now) => (
+            ClaimOutcome::InProgress {
+                owner: rec.owner.clone(),
+                lease_until: rec.lease_until.unwrap_or(now),
+            },
+            None,
+        ),
+        State::Processing if rec.attempts >= max => {
+            let spent = Record {
+                state: State::Failed,
+                lease_until: None,
+                error: Some(lapsed_error(rec.attempts)),
+                expires_at: Some(now.add(claim.retention)),
+                ..rec.clone()
+            };
+            (poisoned(&spent), Some(spent))
+        }
+        State::Processing => grant(Some(rec), claim, ClaimKind::Takeover, now),
+    }
+}
+
+fn poisoned(rec: &Record) -> ClaimOutcome {
+    ClaimOutcome::Poisoned {
+        attempts: rec.attempts,
+        error: rec.error.clone().unwrap_or_default(),
+    }
+}
+
+fn grant(
+    prev: Option<&Record>,
+    claim: &Claim,
+    kind: ClaimKind,
+    now: Timestamp,
+) -> (ClaimOutcome, Option<Record>) {
+    let lease_until = now.add(claim.lease_ttl);
+    let record = Record {
+        key: claim.key.clone(),
+        state: State::Processing,
+        owner: claim.owner.clone(),
+        token: prev.map_or(0, |r| r.token) + 1,
+        attempts: prev.map_or(0, |r| r.attempts) + 1,
+        lease_until: Some(lease_until),
+        fingerprint: prev.map_or(claim.fingerprint, |r| r.fingerprint),
+        response: None,
+        error: None,
+        permanent: false,
+        expires_at: Some(lease_until.add(claim.retention)),
+    };
+    let lease = Lease {
+        key: record.key.clone(),
+        owner: record.owner.clone(),
+        token: record.token,
+        attempts: record.attempts,
+        lease_until,
+        kind,
+    };
+    (ClaimOutcome::Acquired(lease), Some(record))
+}
+
+/// Whether `lease` still holds `current`: the record exists, is `Processing`, and carries
+/// the lease's token and owner. The clock plays no part: a lapsed lease that nobody took
+/// over still holds.
+pub fn holds(current: Option<&Record>, lease: &Lease, now: Timestamp) -> bool {
+    current.is_some_and(|r| {
+        is_live(r, now)
+            && r.state == State::Processing
+            && r.token == lease.token
+            && r.owner == lease.owner
+    })
+}
+
+/// The record after `complete`, or `None` if the lease is fenced.
+pub fn complete(
+    current: Option<&Record>,
+    lease: &Lease,
+    response: Bytes,
+    retention: Duration,
+    now: Timestamp,
+) -> Option<Record> {
+    let rec = current.filter(|_| holds(current, lease, now))?;
+    Some(Record {
+        state: State::Completed,
+        lease_until: None,
+        response: Some(response),
+        error: None,
+        expires_at: Some(now.add(retention)),
+        ..rec.clone()
+    })
+}
+
+/// The record after `fail`, or `None` if the lease is fenced.
+pub fn fail(
+    current: Option<&Record>,
+    lease: &Lease,
+    error: &str,
+    kind: FailureKind,
+    retention: Duration,
+    now: Timestamp,
+) -> Option<Record> {
+    let rec = current.filter(|_| holds(current, lease, now))?;
+    Some(Record {
+        state: State::Failed,
+        lease_until: None,
+        error: Some(error.to_owned()),
+        permanent: kind == FailureKind::Permanent,
+        expires_at: Some(now.add(retention)),
+        ..rec.clone()
+    })
+}
+
+/// The record after `extend` (lease until `now + ttl`, expiry moved by as much), or `None`
+/// if the lease is fenced.
+pub fn extend(
+    current: Option<&Record>,
+    lease: &Lease,
+    ttl: Duration,
+    now: Timestamp,
+) -> Option<Record> {
+    let rec = current.filter(|_| holds(current, lease, now))?;
+    let old_until = rec.lease_until.unwrap_or(now);
+    let new_until = now.add(ttl);
+    let keep = rec
+        .expires_at
+        .map_or(Duration::ZERO, |at| at.since(old_until));
+    Some(Record {
+        lease_until: Some(new_until),
+        expires_at: Some(new_until.add(keep)),
+        ..rec.clone()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Fingerprint, Key};
+
+    fn req(owner: &str) -> Claim {
+        Claim {
+            key: Key::new("ns", "k").unwrap(),
+            owner: owner.into(),
+            lease_ttl: Duration::from_secs(10),
+            fingerprint: Some(Fingerprint::of(b"p")),
+            max_attempts: 2,
+            retention: Duration::from_secs(100),
+        }
+    }
+
+    fn lease_of(out: ClaimOutcome) -> Lease {
+        match out {
+            ClaimOutcome::Acquired(l) => l,
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn lapsed_lease_with_attempts_spent_turns_poisoned_at_claim() {
+        let t0 = Timestamp::from_millis(1_000);
+        let (out, rec) = claim(None, &req("a"), t0);
+        assert_eq!(lease_of(out).kind, ClaimKind::First);
+        let t1 = t0.add(Duration::from_secs(11));
+        let (out, rec) = claim(rec.as_ref(), &req("b"), t1);
+        let lease = lease_of(out);
+        assert_eq!((lease.kind, lease.token, lease.attempts), (ClaimKind::Takeover, 2, 2));
+        let t2 = t1.add(Duration::from_secs(11));
+        let (out, rec) = claim(rec.as_ref(), &req("c"), t2);
+        assert_eq!(
+            out,
+            ClaimOutcome::Poisoned {
+                attempts: 2,
+                error: lapsed_error(2)
+            }
+        );
+        assert_eq!(rec.map(|r| r.state), Some(State::Failed));
+    }
+
+    #[test]
+    fn extend_moves_expiry_with_the_lease() {
+        let t0 = Timestamp::from_millis(0);
+        let (out, rec) = claim(None, &req("a"), t0);
+        let lease = lease_of(out);
+        let t1 = t0.add(Duration::from_secs(5));
+        let rec = extend(rec.as_ref(), &lease, Duration::from_secs(10), t1).unwrap();
+        assert_eq!(rec.lease_until, Some(Timestamp::from_millis(15_000)));
+        assert_eq!(rec.expires_at, Some(Timestamp::from_millis(115_000)));
+    }
+}

@@ -1,0 +1,178 @@
+//! The in-memory backend: the reference model of DESIGN.md behind a sharded map, safe
+//! under real concurrency, and the embedded default.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::clock::{Clock, SystemClock};
+use crate::{
+    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record, Result,
+    Timestamp, machine,
+};
+
+type Shard = Mutex<HashMap<Key, Record>>;
+
+/// Records in process memory, lost when the process ends.
+///
+/// Every operation runs [`machine`](crate::machine)'s transition under the lock of the
+/// key's shard, so it is atomic. Time comes from an injectable [`Clock`].
+#[derive(Debug, Clone)]
+pub struct MemoryBackend {
+    shards: Arc<[Shard]>,
+    hasher: RandomState,
+    clock: Arc<dyn Clock>,
+    max_response_bytes: usize,
+}
+
+impl Default for MemoryBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryBackend {
+    /// An empty backend on the system clock, with 64 shards.
+    pub fn new() -> Self {
+        Self::with_clock(SystemClock)
+    }
+
+    /// An empty backend reading time from `clock`.
+    pub fn with_clock(clock: impl Clock) -> Self {
+        let shards: Vec<Shard> = (0..64).map(|_| Mutex::new(HashMap::new())).collect();
+        MemoryBackend {
+            shards: shards.into(),
+            hasher: RandomState::new(),
+            clock: Arc::new(clock),
+            max_response_bytes: Capabilities::default().max_response_bytes,
+        }
+    }
+
+    /// Sets the largest response `complete` accepts (default 64 KiB).
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        self.max_response_bytes = bytes;
+        self
+    }
+
+    /// How many live records there are.
+    pub fn len(&self) -> usize {
+        let now = self.clock.now();
+        self.shards
+            .iter()
+            .map(|s| lock(s).values().filter(|r| machine::is_live(r, now)).count())
+            .sum()
+    }
+
+    /// Whether there are no live records.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, key: &Key) -> MutexGuard<'_, HashMap<Key, Record>> {
+        let n = self.shards.len() as u64;
+        let i = usize::try_from(self.hasher.hash_one(key) % n).unwrap_or(0);
+        lock(&self.shards[i])
+    }
+
+    /// Applies a fencing transition; `Fenced` if it refuses.
+    fn update(
+        &self,
+        lease: &Lease,
+        step: impl FnOnce(Option<&Record>, Timestamp) -> Option<Record>,
+    ) -> Result<Record> {
+        let now = self.clock.now();
+        let mut shard = self.shard(&lease.key);
+        let next = step(shard.get(&lease.key), now).ok_or_else(|| Error::Fenced {
+            key: lease.key.clone(),
+            token: lease.token,
+        })?;
+        shard.insert(lease.key.clone(), next.clone());
+        Ok(next)
+    }
+}
+
+/// A poisoned lock only means another thread panicked while holding it; every write
+/// under it is a single `insert`, so the map is still whole.
+fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Record>> {
+    shard.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[async_trait]
+impl Backend for MemoryBackend {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
+        let now = self.clock.now();
+        let mut shard = self.shard(&claim.key);
+        let (answer, next) = machine::claim(shard.get(&claim.key), claim, now);
+        if let Some(next) = next {
+            shard.insert(claim.key.clone(), next);
+        }
+        Ok(answer)
+    }
+
+    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
+        if response.len() > self.max_response_bytes {
+            return Err(Error::TooLarge {
+                what: "response",
+                size: response.len(),
+                limit: self.max_response_bytes,
+            });
+        }
+        self.update(lease, |cur, now| {
+            machine::complete(cur, lease, response, retention, now)
+        })
+        .map(drop)
+    }
+
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        kind: FailureKind,
+        retention: Duration,
+    ) -> Result<()> {
+        self.update(lease, |cur, now| {
+            machine::fail(cur, lease, error, kind, retention, now)
+        })
+        .map(drop)
+    }
+
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
+        let next = self.update(lease, |cur, now| machine::extend(cur, lease, ttl, now))?;
+        Ok(next.lease_until.unwrap_or_default())
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>> {
+        let now = self.clock.now();
+        Ok(self
+            .shard(key)
+            .get(key)
+            .filter(|r| machine::is_live(r, now))
+            .cloned())
+    }
+
+    async fn delete(&self, key: &Key) -> Result<bool> {
+        let now = self.clock.now();
+        let removed = self.shard(key).remove(key);
+        Ok(removed.is_some_and(|r| machine::is_live(&r, now)))
+    }
+
+    async fn purge_expired(&self) -> Result<u64> {
+        let now = self.clock.now();
+        let mut purged = 0u64;
+        for shard in self.shards.iter() {
+            let mut map = lock(shard);
+            let before = map.len();
+            map.retain(|_, r| machine::is_live(r, now));
+            purged += (before - map.len()) as u64;
+        }
+        Ok(purged)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default().with_max_response_bytes(self.max_response_bytes)
+    }
+}
