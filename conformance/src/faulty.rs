@@ -1,0 +1,120 @@
+//! A wrapper that makes a real backend fail on demand, to test what callers do when the
+//! store is down. It never stands in for a store: every call it lets through reaches the
+//! wrapped backend.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use idem_core::{
+    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record, Result,
+    Timestamp, async_trait, Bytes,
+};
+
+/// Which calls a [`Faulty`] backend refuses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Fault {
+    /// `claim` and `claim_many`.
+    Claim = 1,
+    /// `complete`.
+    Complete = 2,
+    /// `fail`.
+    Fail = 4,
+    /// `extend`.
+    Extend = 8,
+    /// `get`, `delete` and `purge_expired`.
+    Read = 16,
+}
+
+/// Wraps a backend; calls of the kinds switched on answer [`Error::Unavailable`] without
+/// reaching the store.
+#[derive(Debug, Clone)]
+pub struct Faulty<B> {
+    inner: B,
+    on: Arc<AtomicU32>,
+}
+
+impl<B: Backend> Faulty<B> {
+    /// Wraps `inner` with every fault off.
+    pub fn new(inner: B) -> Self {
+        Faulty {
+            inner,
+            on: Arc::new(AtomicU32::new(0)),
+        }
+    }
+
+    /// Switches `fault` on or off. Clones share the switches.
+    pub fn set(&self, fault: Fault, on: bool) {
+        if on {
+            self.on.fetch_or(fault as u32, Ordering::SeqCst);
+        } else {
+            self.on.fetch_and(!(fault as u32), Ordering::SeqCst);
+        }
+    }
+
+    /// Switches every fault on or off.
+    pub fn set_all(&self, on: bool) {
+        self.on.store(if on { u32::MAX } else { 0 }, Ordering::SeqCst);
+    }
+
+    /// The wrapped backend.
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+
+    fn check(&self, fault: Fault) -> Result<()> {
+        if self.on.load(Ordering::SeqCst) & fault as u32 != 0 {
+            return Err(Error::Unavailable {
+                message: format!("injected fault on {fault:?}"),
+                source: None,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<B: Backend> Backend for Faulty<B> {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
+        self.check(Fault::Claim)?;
+        self.inner.claim(claim).await
+    }
+    async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
+        self.check(Fault::Claim)?;
+        self.inner.claim_many(claims).await
+    }
+    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
+        self.check(Fault::Complete)?;
+        self.inner.complete(lease, response, retention).await
+    }
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        kind: FailureKind,
+        retention: Duration,
+    ) -> Result<()> {
+        self.check(Fault::Fail)?;
+        self.inner.fail(lease, error, kind, retention).await
+    }
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
+        self.check(Fault::Extend)?;
+        self.inner.extend(lease, ttl).await
+    }
+    async fn get(&self, key: &Key) -> Result<Option<Record>> {
+        self.check(Fault::Read)?;
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &Key) -> Result<bool> {
+        self.check(Fault::Read)?;
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self) -> Result<u64> {
+        self.check(Fault::Read)?;
+        self.inner.purge_expired().await
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+}

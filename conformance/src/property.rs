@@ -1,0 +1,254 @@
+//! Invariant 9: random operation sequences against a backend and the reference [`Model`]
+//! must give the same answers.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    Backend, Claim, ClaimKind, ClaimOutcome, Error, FailureKind, Fingerprint, Key, Lease, Model,
+    Record, State, Timestamp,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+use crate::{Factory, Fixture, Time};
+
+const OWNERS: u8 = 3;
+const KEYS: u8 = 3;
+const RETENTION: Duration = Duration::from_secs(3600);
+
+/// One step of a generated sequence.
+#[derive(Clone, Debug)]
+enum Op {
+    Claim { owner: u8, key: u8, payload: u8 },
+    Complete { owner: u8, key: u8, response: u8 },
+    Fail { owner: u8, key: u8, permanent: bool },
+    Extend { owner: u8, key: u8 },
+    Get { key: u8 },
+    Delete { key: u8 },
+    /// Moves time by `quarters` quarter-leases under a manual clock; under real time any
+    /// move sleeps one and a half leases, so no answer depends on a race with the clock.
+    Advance { quarters: u8 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let owner = 0..OWNERS;
+    let key = 0..KEYS;
+    prop_oneof![
+        6 => (owner.clone(), key.clone(), 0u8..3)
+            .prop_map(|(owner, key, payload)| Op::Claim { owner, key, payload }),
+        3 => (owner.clone(), key.clone(), 0u8..4)
+            .prop_map(|(owner, key, response)| Op::Complete { owner, key, response }),
+        2 => (owner.clone(), key.clone(), any::<bool>())
+            .prop_map(|(owner, key, permanent)| Op::Fail { owner, key, permanent }),
+        2 => (owner.clone(), key.clone()).prop_map(|(owner, key)| Op::Extend { owner, key }),
+        1 => key.clone().prop_map(|key| Op::Get { key }),
+        1 => key.prop_map(|key| Op::Delete { key }),
+        2 => (1u8..7).prop_map(|quarters| Op::Advance { quarters }),
+    ]
+}
+
+/// An answer with the deciding clock's timestamps left out, so a model on a manual clock
+/// can be compared with a server on its own.
+#[derive(Debug, PartialEq, Eq)]
+enum Answer {
+    Acquired { token: u64, attempts: u32, kind: ClaimKind },
+    Completed(Bytes),
+    InProgress { owner: String },
+    Poisoned { attempts: u32, error: String },
+    Mismatch,
+    Done,
+    Fenced,
+    Record(Option<Seen>),
+    Deleted(bool),
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct Seen {
+    state: State,
+    owner: String,
+    token: u64,
+    attempts: u32,
+    fingerprint: Option<Fingerprint>,
+    response: Option<Bytes>,
+    error: Option<String>,
+    permanent: bool,
+}
+
+fn seen(r: Option<&Record>) -> Answer {
+    Answer::Record(r.map(|r| Seen {
+        state: r.state,
+        owner: r.owner.clone(),
+        token: r.token,
+        attempts: r.attempts,
+        fingerprint: r.fingerprint,
+        response: r.response.clone(),
+        error: r.error.clone(),
+        permanent: r.permanent,
+    }))
+}
+
+fn claimed(out: &ClaimOutcome) -> Answer {
+    match out {
+        ClaimOutcome::Acquired(l) => Answer::Acquired {
+            token: l.token,
+            attempts: l.attempts,
+            kind: l.kind,
+        },
+        ClaimOutcome::Completed(b) => Answer::Completed(b.clone()),
+        ClaimOutcome::InProgress { owner, .. } => Answer::InProgress {
+            owner: owner.clone(),
+        },
+        ClaimOutcome::Poisoned { attempts, error } => Answer::Poisoned {
+            attempts: *attempts,
+            error: error.clone(),
+        },
+        ClaimOutcome::Mismatch => Answer::Mismatch,
+    }
+}
+
+fn fenced<T>(res: Result<T, Error>) -> Result<Answer, TestCaseError> {
+    match res {
+        Ok(_) => Ok(Answer::Done),
+        Err(Error::Fenced { .. }) => Ok(Answer::Fenced),
+        Err(e) => Err(TestCaseError::fail(format!("store error: {e}"))),
+    }
+}
+
+fn store<T>(res: Result<T, Error>) -> Result<T, TestCaseError> {
+    res.map_err(|e| TestCaseError::fail(format!("store error: {e}")))
+}
+
+/// Leases each owner holds per key, one map for the backend's and one for the model's.
+#[derive(Default)]
+struct Leases(HashMap<(u8, u8), Lease>);
+
+impl Leases {
+    /// The owner's last lease on the key, or a forged one (token 1) if it never got one:
+    /// it must be fenced unless it happens to match the record.
+    fn get(&self, owner: u8, key: &Key, k: u8) -> Lease {
+        self.0.get(&(owner, k)).cloned().unwrap_or_else(|| Lease {
+            key: key.clone(),
+            owner: owner_name(owner),
+            token: 1,
+            attempts: 1,
+            lease_until: Timestamp::default(),
+            kind: ClaimKind::First,
+        })
+    }
+}
+
+fn owner_name(owner: u8) -> String {
+    format!("owner-{owner}")
+}
+
+async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCaseError> {
+    let start = match &fx.time {
+        Time::Manual(clock) => idem_core::clock::Clock::now(clock),
+        Time::Real => Timestamp::now(),
+    };
+    let mut model = Model::new(start);
+    let (mut real_leases, mut model_leases) = (Leases::default(), Leases::default());
+    let keys: Vec<Key> = (0..KEYS).map(|k| fx.key(&format!("p{k}"))).collect();
+    for (step, op) in ops.iter().enumerate() {
+        let (got, want) = match *op {
+            Op::Claim { owner, key, payload } => {
+                let claim = Claim {
+                    key: keys[key as usize].clone(),
+                    owner: owner_name(owner),
+                    lease_ttl: fx.lease,
+                    fingerprint: (payload < 2).then(|| Fingerprint::of(&[payload])),
+                    max_attempts: 3,
+                    retention: RETENTION,
+                };
+                let got = store(fx.backend.claim(&claim).await)?;
+                let want = model.claim(&claim);
+                if let ClaimOutcome::Acquired(l) = &got {
+                    real_leases.0.insert((owner, key), l.clone());
+                }
+                if let ClaimOutcome::Acquired(l) = &want {
+                    model_leases.0.insert((owner, key), l.clone());
+                }
+                (claimed(&got), claimed(&want))
+            }
+            Op::Complete { owner, key, response } => {
+                let k = &keys[key as usize];
+                let body = Bytes::from(vec![response, 0, 0xff]);
+                let lease = real_leases.get(owner, k, key);
+                let got = fenced(fx.backend.complete(&lease, body.clone(), RETENTION).await)?;
+                let lease = model_leases.get(owner, k, key);
+                let want = done(model.complete(&lease, body, RETENTION));
+                (got, want)
+            }
+            Op::Fail { owner, key, permanent } => {
+                let k = &keys[key as usize];
+                let kind = if permanent { FailureKind::Permanent } else { FailureKind::Retry };
+                let error = format!("err-{step}");
+                let lease = real_leases.get(owner, k, key);
+                let got = fenced(fx.backend.fail(&lease, &error, kind, RETENTION).await)?;
+                let lease = model_leases.get(owner, k, key);
+                (got, done(model.fail(&lease, &error, kind, RETENTION)))
+            }
+            Op::Extend { owner, key } => {
+                let k = &keys[key as usize];
+                let lease = real_leases.get(owner, k, key);
+                let got = fenced(fx.backend.extend(&lease, fx.lease).await)?;
+                let lease = model_leases.get(owner, k, key);
+                (got, done(model.extend(&lease, fx.lease)))
+            }
+            Op::Get { key } => {
+                let k = &keys[key as usize];
+                let got = store(fx.backend.get(k).await)?;
+                (seen(got.as_ref()), seen(model.get(k)))
+            }
+            Op::Delete { key } => {
+                let k = &keys[key as usize];
+                let got = Answer::Deleted(store(fx.backend.delete(k).await)?);
+                (got, Answer::Deleted(model.delete(k)))
+            }
+            Op::Advance { quarters } => {
+                let d = match fx.time {
+                    Time::Manual(_) => fx.lease * u32::from(quarters) / 4,
+                    Time::Real => fx.lease * 3 / 2,
+                };
+                fx.advance(d).await;
+                model.advance(d);
+                continue;
+            }
+        };
+        prop_assert_eq!(got, want, "step {} ({:?}) of {:?}", step, op, ops);
+    }
+    Ok(())
+}
+
+fn done(ok: bool) -> Answer {
+    if ok { Answer::Done } else { Answer::Fenced }
+}
+
+/// Runs the property: `PROPTEST_CASES` sequences (default 256) of up to 40 operations,
+/// each on a fresh fixture. Needs a multi-threaded tokio runtime.
+pub async fn model_agreement<F: Factory>(factory: &F) {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let config = Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    let handle = tokio::runtime::Handle::current();
+    let result = tokio::task::block_in_place(|| {
+        let mut runner = TestRunner::new(config);
+        runner.run(&proptest::collection::vec(op(), 1..40), |ops| {
+            handle.block_on(async {
+                let fx = factory.setup().await;
+                run_case(&fx, &ops).await
+            })
+        })
+    });
+    if let Err(e) = result {
+        panic!("model agreement failed: {e}");
+    }
+}
