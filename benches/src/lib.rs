@@ -1,1 +1,1 @@
-//! Criterion benchmarks live in `benches/`.
+//! Criterion benchmarks for idem; the benchmarks themselves live in `benches/`.

@@ -33,9 +33,17 @@ pub async fn claim_new_key<F: Factory>(f: &F) {
     let key = fx.key("new");
     assert_eq!(fx.backend.get(&key).await.expect("get"), None);
     let lease = fx.acquire(&fx.claim(&key, "a")).await;
-    assert_eq!((lease.token, lease.attempts, lease.kind), (1, 1, ClaimKind::First));
+    assert_eq!(
+        (lease.token, lease.attempts, lease.kind),
+        (1, 1, ClaimKind::First)
+    );
     assert_eq!(lease.owner, "a");
-    let rec = fx.backend.get(&key).await.expect("get").expect("record exists");
+    let rec = fx
+        .backend
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("record exists");
     assert_eq!(rec.state, State::Processing);
     assert_eq!((rec.owner.as_str(), rec.token, rec.attempts), ("a", 1, 1));
     assert_eq!(rec.fingerprint, Some(Fingerprint::of(b"p")));
@@ -48,14 +56,25 @@ pub async fn mutual_exclusion<F: Factory>(f: &F) {
     let key = fx.key("mutex");
     let lease = fx.acquire(&fx.claim(&key, "a")).await;
     for owner in ["b", "c", "a"] {
-        let answer = fx.backend.claim(&fx.claim(&key, owner)).await.expect("claim");
+        let answer = fx
+            .backend
+            .claim(&fx.claim(&key, owner))
+            .await
+            .expect("claim");
         assert!(in_progress_by(&answer, "a"), "claim by {owner}: {answer:?}");
     }
     fx.advance(fx.lease / 2).await;
     let answer = fx.backend.claim(&fx.claim(&key, "b")).await.expect("claim");
-    assert!(in_progress_by(&answer, "a"), "half-way through the lease: {answer:?}");
+    assert!(
+        in_progress_by(&answer, "a"),
+        "half-way through the lease: {answer:?}"
+    );
     let rec = fx.backend.get(&key).await.expect("get").expect("record");
-    assert_eq!((rec.token, rec.attempts), (lease.token, 1), "losers changed nothing");
+    assert_eq!(
+        (rec.token, rec.attempts),
+        (lease.token, 1),
+        "losers changed nothing"
+    );
 }
 
 /// Invariant 1 under real concurrency: 64 simultaneous claims, exactly one `Acquired`.
@@ -83,7 +102,10 @@ pub async fn claim_race<F: Factory>(f: &F) {
     }
     assert_eq!(winners.len(), 1, "exactly one Acquired of 64: {winners:?}");
     assert_eq!(winners[0].token, 1);
-    assert!(holders.iter().all(|o| *o == winners[0].owner), "losers name the winner");
+    assert!(
+        holders.iter().all(|o| *o == winners[0].owner),
+        "losers name the winner"
+    );
 }
 
 /// Invariant 2: after a takeover, the old lease's complete, fail and extend are `Fenced`
@@ -96,17 +118,39 @@ pub async fn fencing_after_takeover<F: Factory>(f: &F) {
     let new = fx.acquire(&fx.claim(&key, "b")).await;
     let before = fx.backend.get(&key).await.expect("get");
     let b = &fx.backend;
-    assert_fenced("stale complete", b.complete(&old, Bytes::from_static(b"old"), HOUR).await);
-    assert_fenced("stale fail", b.fail(&old, "x", FailureKind::Permanent, HOUR).await);
+    assert_fenced(
+        "stale complete",
+        b.complete(&old, Bytes::from_static(b"old"), HOUR).await,
+    );
+    assert_fenced(
+        "stale fail",
+        b.fail(&old, "x", FailureKind::Permanent, HOUR).await,
+    );
     assert_fenced("stale extend", b.extend(&old, fx.lease).await);
-    assert_eq!(b.get(&key).await.expect("get"), before, "stale calls changed the record");
+    assert_eq!(
+        b.get(&key).await.expect("get"),
+        before,
+        "stale calls changed the record"
+    );
 
-    b.complete(&new, Bytes::from_static(b"new"), HOUR).await.expect("complete");
+    b.complete(&new, Bytes::from_static(b"new"), HOUR)
+        .await
+        .expect("complete");
     let done = b.get(&key).await.expect("get");
-    assert_fenced("second complete", b.complete(&new, Bytes::from_static(b"again"), HOUR).await);
-    assert_fenced("fail after complete", b.fail(&new, "x", FailureKind::Retry, HOUR).await);
+    assert_fenced(
+        "second complete",
+        b.complete(&new, Bytes::from_static(b"again"), HOUR).await,
+    );
+    assert_fenced(
+        "fail after complete",
+        b.fail(&new, "x", FailureKind::Retry, HOUR).await,
+    );
     assert_fenced("extend after complete", b.extend(&new, fx.lease).await);
-    assert_eq!(b.get(&key).await.expect("get"), done, "fenced calls changed the record");
+    assert_eq!(
+        b.get(&key).await.expect("get"),
+        done,
+        "fenced calls changed the record"
+    );
 }
 
 /// Invariant 2: a lease with the right token but another owner, or for a key never claimed,
@@ -120,15 +164,31 @@ pub async fn fencing_foreign_lease<F: Factory>(f: &F) {
         ..real.clone()
     };
     let b = &fx.backend;
-    assert_fenced("forged complete", b.complete(&forged, Bytes::from_static(b"x"), HOUR).await);
-    assert_fenced("forged fail", b.fail(&forged, "x", FailureKind::Retry, HOUR).await);
+    assert_fenced(
+        "forged complete",
+        b.complete(&forged, Bytes::from_static(b"x"), HOUR).await,
+    );
+    assert_fenced(
+        "forged fail",
+        b.fail(&forged, "x", FailureKind::Retry, HOUR).await,
+    );
     let nowhere = Lease {
         key: fx.key("never-claimed"),
         ..real.clone()
     };
-    assert_fenced("complete of unclaimed key", b.complete(&nowhere, Bytes::new(), HOUR).await);
-    assert_fenced("extend of unclaimed key", b.extend(&nowhere, fx.lease).await);
-    assert_eq!(b.get(&nowhere.key).await.expect("get"), None, "a record appeared");
+    assert_fenced(
+        "complete of unclaimed key",
+        b.complete(&nowhere, Bytes::new(), HOUR).await,
+    );
+    assert_fenced(
+        "extend of unclaimed key",
+        b.extend(&nowhere, fx.lease).await,
+    );
+    assert_eq!(
+        b.get(&nowhere.key).await.expect("get"),
+        None,
+        "a record appeared"
+    );
     let rec = b.get(&key).await.expect("get").expect("record");
     assert_eq!((rec.state, rec.owner.as_str()), (State::Processing, "a"));
 }
@@ -170,8 +230,15 @@ pub async fn one_winner_replay<F: Factory>(f: &F) {
     for t in tasks {
         seen.push(t.await.expect("task"));
     }
-    assert_eq!(completes.load(Ordering::SeqCst), 1, "exactly one complete succeeds");
-    assert!(seen.windows(2).all(|w| w[0] == w[1]), "all replays agree: {seen:?}");
+    assert_eq!(
+        completes.load(Ordering::SeqCst),
+        1,
+        "exactly one complete succeeds"
+    );
+    assert!(
+        seen.windows(2).all(|w| w[0] == w[1]),
+        "all replays agree: {seen:?}"
+    );
     assert_eq!(seen[0].len(), 4);
     assert_eq!(&seen[0][..2], &[0xff, 0x00]);
 }
@@ -205,7 +272,10 @@ pub async fn tokens_monotonic<F: Factory>(f: &F) {
     let l = fx.acquire(&claim).await;
     tokens.push(l.token);
     kinds.push(l.kind);
-    fx.backend.fail(&l, "boom", FailureKind::Retry, HOUR).await.expect("fail");
+    fx.backend
+        .fail(&l, "boom", FailureKind::Retry, HOUR)
+        .await
+        .expect("fail");
     let l = fx.acquire(&claim).await;
     tokens.push(l.token);
     kinds.push(l.kind);
@@ -213,7 +283,10 @@ pub async fn tokens_monotonic<F: Factory>(f: &F) {
     let l = fx.acquire(&claim).await;
     tokens.push(l.token);
     kinds.push(l.kind);
-    fx.backend.fail(&l, "boom", FailureKind::Retry, HOUR).await.expect("fail");
+    fx.backend
+        .fail(&l, "boom", FailureKind::Retry, HOUR)
+        .await
+        .expect("fail");
     let l = fx.acquire(&claim).await;
     tokens.push(l.token);
     kinds.push(l.kind);
@@ -221,7 +294,12 @@ pub async fn tokens_monotonic<F: Factory>(f: &F) {
     assert_eq!(tokens, [1, 2, 3, 4]);
     assert_eq!(
         kinds,
-        [ClaimKind::First, ClaimKind::Retry, ClaimKind::Takeover, ClaimKind::Retry]
+        [
+            ClaimKind::First,
+            ClaimKind::Retry,
+            ClaimKind::Takeover,
+            ClaimKind::Retry
+        ]
     );
     assert_eq!(l.attempts, 4);
 }
@@ -256,7 +334,10 @@ pub async fn crash_recovery<F: Factory>(f: &F) {
     }
     assert_eq!(takeovers.len(), 1, "exactly one takeover: {takeovers:?}");
     let t = &takeovers[0];
-    assert_eq!((t.token, t.attempts, t.kind), (dead.token + 1, 2, ClaimKind::Takeover));
+    assert_eq!(
+        (t.token, t.attempts, t.kind),
+        (dead.token + 1, 2, ClaimKind::Takeover)
+    );
 }
 
 /// Invariant 6: retryable failures count; after `max_attempts` the key is `Poisoned` with
@@ -269,7 +350,10 @@ pub async fn bounded_attempts_failures<F: Factory>(f: &F) {
         let l = fx.acquire(&claim).await;
         assert_eq!(l.attempts, n);
         let err = format!("error {n}");
-        fx.backend.fail(&l, &err, FailureKind::Retry, HOUR).await.expect("fail");
+        fx.backend
+            .fail(&l, &err, FailureKind::Retry, HOUR)
+            .await
+            .expect("fail");
     }
     for _ in 0..2 {
         let answer = fx.backend.claim(&claim).await.expect("claim");
@@ -305,7 +389,10 @@ pub async fn bounded_attempts_lapses<F: Factory>(f: &F) {
     assert_eq!(answer, poisoned);
     let rec = fx.backend.get(&key).await.expect("get").expect("record");
     assert_eq!((rec.state, rec.attempts), (State::Failed, 2));
-    assert_fenced("the lapsed holder", fx.backend.complete(&l, Bytes::new(), HOUR).await);
+    assert_fenced(
+        "the lapsed holder",
+        fx.backend.complete(&l, Bytes::new(), HOUR).await,
+    );
     assert_eq!(fx.backend.claim(&claim).await.expect("claim"), poisoned);
 }
 
@@ -347,12 +434,25 @@ pub async fn fingerprint_mismatch<F: Factory>(f: &F) {
     };
     let l = fx.acquire(&same).await;
     let before = fx.backend.get(&key).await.expect("get");
-    assert_eq!(fx.backend.claim(&other).await.expect("claim"), ClaimOutcome::Mismatch);
-    assert_eq!(fx.backend.get(&key).await.expect("get"), before, "mismatch touched it");
+    assert_eq!(
+        fx.backend.claim(&other).await.expect("claim"),
+        ClaimOutcome::Mismatch
+    );
+    assert_eq!(
+        fx.backend.get(&key).await.expect("get"),
+        before,
+        "mismatch touched it"
+    );
     let answer = fx.backend.claim(&unchecked).await.expect("claim");
     assert!(in_progress_by(&answer, "a"), "{answer:?}");
-    fx.backend.complete(&l, Bytes::from_static(b"ok"), HOUR).await.expect("complete");
-    assert_eq!(fx.backend.claim(&other).await.expect("claim"), ClaimOutcome::Mismatch);
+    fx.backend
+        .complete(&l, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("complete");
+    assert_eq!(
+        fx.backend.claim(&other).await.expect("claim"),
+        ClaimOutcome::Mismatch
+    );
     let replay = ClaimOutcome::Completed(Bytes::from_static(b"ok"));
     assert_eq!(fx.backend.claim(&same).await.expect("claim"), replay);
     assert_eq!(fx.backend.claim(&unchecked).await.expect("claim"), replay);
@@ -366,14 +466,24 @@ pub async fn heartbeat_extend<F: Factory>(f: &F) {
     let l = fx.acquire(&fx.claim(&key, "a")).await;
     fx.advance(fx.lease * 3 / 5).await;
     let until = fx.backend.extend(&l, fx.lease).await.expect("extend");
-    assert!(until > l.lease_until, "the deadline moved: {until:?} vs {:?}", l.lease_until);
+    assert!(
+        until > l.lease_until,
+        "the deadline moved: {until:?} vs {:?}",
+        l.lease_until
+    );
     fx.advance(fx.lease * 3 / 5).await; // past the first deadline, inside the second
     let answer = fx.backend.claim(&fx.claim(&key, "b")).await.expect("claim");
-    assert!(in_progress_by(&answer, "a"), "extended lease still held: {answer:?}");
+    assert!(
+        in_progress_by(&answer, "a"),
+        "extended lease still held: {answer:?}"
+    );
     fx.lapse().await;
     let taken = fx.acquire(&fx.claim(&key, "b")).await;
     assert_eq!(taken.kind, ClaimKind::Takeover);
-    assert_fenced("extend after takeover", fx.backend.extend(&l, fx.lease).await);
+    assert_fenced(
+        "extend after takeover",
+        fx.backend.extend(&l, fx.lease).await,
+    );
     let rec = fx.backend.get(&key).await.expect("get").expect("record");
     assert_eq!(rec.owner, "b");
 }
@@ -397,25 +507,41 @@ pub async fn retention_expiry<F: Factory>(f: &F) {
         "inside retention"
     );
     fx.lapse().await;
-    assert_eq!(fx.backend.get(&key).await.expect("get"), None, "expired record is absent");
+    assert_eq!(
+        fx.backend.get(&key).await.expect("get"),
+        None,
+        "expired record is absent"
+    );
     if !fx.backend.capabilities().native_expiry {
         let purged = fx.backend.purge_expired().await.expect("purge");
         assert!(purged >= 1, "purge removed {purged} records");
     }
     let again = fx.acquire(&claim).await;
-    assert_eq!((again.token, again.attempts, again.kind), (1, 1, ClaimKind::First));
+    assert_eq!(
+        (again.token, again.attempts, again.kind),
+        (1, 1, ClaimKind::First)
+    );
 }
 
 /// `delete` removes a record whatever its state, and says whether there was one.
 pub async fn delete_and_get<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let key = fx.key("delete");
-    assert!(!fx.backend.delete(&key).await.expect("delete"), "nothing to delete");
+    assert!(
+        !fx.backend.delete(&key).await.expect("delete"),
+        "nothing to delete"
+    );
     let l = fx.acquire(&fx.claim(&key, "a")).await;
-    fx.backend.complete(&l, Bytes::from_static(b"x"), HOUR).await.expect("complete");
+    fx.backend
+        .complete(&l, Bytes::from_static(b"x"), HOUR)
+        .await
+        .expect("complete");
     assert!(fx.backend.delete(&key).await.expect("delete"));
     assert_eq!(fx.backend.get(&key).await.expect("get"), None);
-    assert_fenced("complete after delete", fx.backend.complete(&l, Bytes::new(), HOUR).await);
+    assert_fenced(
+        "complete after delete",
+        fx.backend.complete(&l, Bytes::new(), HOUR).await,
+    );
     let again = fx.acquire(&fx.claim(&key, "b")).await;
     assert_eq!((again.token, again.kind), (1, ClaimKind::First));
 }
@@ -433,11 +559,15 @@ pub async fn claim_many_agrees<F: Factory>(f: &F) {
         fx.key("m-bad"),
     );
     let l = fx.acquire(&fx.claim(&done, "a")).await;
-    b.complete(&l, Bytes::from_static(b"done"), HOUR).await.expect("complete");
+    b.complete(&l, Bytes::from_static(b"done"), HOUR)
+        .await
+        .expect("complete");
     fx.acquire(&fx.claim(&busy, "a")).await;
     fx.acquire(&fx.claim(&other, "a")).await;
     let l = fx.acquire(&fx.claim(&bad, "a")).await;
-    b.fail(&l, "poison", FailureKind::Permanent, HOUR).await.expect("fail");
+    b.fail(&l, "poison", FailureKind::Permanent, HOUR)
+        .await
+        .expect("fail");
     let mismatch = idem_core::Claim {
         fingerprint: Some(Fingerprint::of(b"different")),
         ..fx.claim(&other, "z")
@@ -457,11 +587,21 @@ pub async fn claim_many_agrees<F: Factory>(f: &F) {
         "{:?}",
         answers[0]
     );
-    assert_eq!(answers[1], ClaimOutcome::Completed(Bytes::from_static(b"done")));
+    assert_eq!(
+        answers[1],
+        ClaimOutcome::Completed(Bytes::from_static(b"done"))
+    );
     assert!(in_progress_by(&answers[2], "a"), "{:?}", answers[2]);
     assert_eq!(answers[3], ClaimOutcome::Mismatch);
-    assert!(matches!(&answers[4], ClaimOutcome::Poisoned { attempts: 1, .. }));
-    assert!(in_progress_by(&answers[5], "z"), "second claim in batch: {:?}", answers[5]);
+    assert!(matches!(
+        &answers[4],
+        ClaimOutcome::Poisoned { attempts: 1, .. }
+    ));
+    assert!(
+        in_progress_by(&answers[5], "z"),
+        "second claim in batch: {:?}",
+        answers[5]
+    );
     assert!(b.claim_many(&[]).await.expect("empty batch").is_empty());
 }
 
@@ -478,8 +618,14 @@ pub async fn response_bytes_round_trip<F: Factory>(f: &F) {
         matches!(res, Err(Error::TooLarge { size, .. }) if size == limit + 1),
         "{res:?}"
     );
-    let full: Bytes = (0..limit).map(|i| (i % 251) as u8).collect::<Vec<_>>().into();
-    fx.backend.complete(&l, full.clone(), HOUR).await.expect("complete at the limit");
+    let full: Bytes = (0..limit)
+        .map(|i| (i % 251) as u8)
+        .collect::<Vec<_>>()
+        .into();
+    fx.backend
+        .complete(&l, full.clone(), HOUR)
+        .await
+        .expect("complete at the limit");
     match fx.backend.claim(&fx.claim(&key, "b")).await.expect("claim") {
         ClaimOutcome::Completed(bytes) => assert!(bytes == full, "replay differs"),
         other => panic!("expected Completed, got {other:?}"),

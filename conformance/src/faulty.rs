@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use idem_core::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record, Result,
-    Timestamp, async_trait, Bytes,
+    Backend, Bytes, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record,
+    Result, Timestamp, async_trait,
 };
 
 /// Which calls a [`Faulty`] backend refuses.
@@ -55,7 +55,8 @@ impl<B: Backend> Faulty<B> {
 
     /// Switches every fault on or off.
     pub fn set_all(&self, on: bool) {
-        self.on.store(if on { u32::MAX } else { 0 }, Ordering::SeqCst);
+        self.on
+            .store(if on { u32::MAX } else { 0 }, Ordering::SeqCst);
     }
 
     /// The wrapped backend.

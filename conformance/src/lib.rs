@@ -87,7 +87,10 @@ impl<B: Backend> Fixture<B> {
     pub async fn acquire(&self, claim: &Claim) -> Lease {
         match self.backend.claim(claim).await {
             Ok(ClaimOutcome::Acquired(lease)) => lease,
-            other => panic!("claim of {} by {}: expected Acquired, got {other:?}", claim.key, claim.owner),
+            other => panic!(
+                "claim of {} by {}: expected Acquired, got {other:?}",
+                claim.key, claim.owner
+            ),
         }
     }
 }

@@ -21,15 +21,36 @@ const RETENTION: Duration = Duration::from_secs(3600);
 /// One step of a generated sequence.
 #[derive(Clone, Debug)]
 enum Op {
-    Claim { owner: u8, key: u8, payload: u8 },
-    Complete { owner: u8, key: u8, response: u8 },
-    Fail { owner: u8, key: u8, permanent: bool },
-    Extend { owner: u8, key: u8 },
-    Get { key: u8 },
-    Delete { key: u8 },
+    Claim {
+        owner: u8,
+        key: u8,
+        payload: u8,
+    },
+    Complete {
+        owner: u8,
+        key: u8,
+        response: u8,
+    },
+    Fail {
+        owner: u8,
+        key: u8,
+        permanent: bool,
+    },
+    Extend {
+        owner: u8,
+        key: u8,
+    },
+    Get {
+        key: u8,
+    },
+    Delete {
+        key: u8,
+    },
     /// Moves time by `quarters` quarter-leases under a manual clock; under real time any
     /// move sleeps one and a half leases, so no answer depends on a race with the clock.
-    Advance { quarters: u8 },
+    Advance {
+        quarters: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -53,10 +74,19 @@ fn op() -> impl Strategy<Value = Op> {
 /// can be compared with a server on its own.
 #[derive(Debug, PartialEq, Eq)]
 enum Answer {
-    Acquired { token: u64, attempts: u32, kind: ClaimKind },
+    Acquired {
+        token: u64,
+        attempts: u32,
+        kind: ClaimKind,
+    },
     Completed(Bytes),
-    InProgress { owner: String },
-    Poisoned { attempts: u32, error: String },
+    InProgress {
+        owner: String,
+    },
+    Poisoned {
+        attempts: u32,
+        error: String,
+    },
     Mismatch,
     Done,
     Fenced,
@@ -153,7 +183,11 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
     let keys: Vec<Key> = (0..KEYS).map(|k| fx.key(&format!("p{k}"))).collect();
     for (step, op) in ops.iter().enumerate() {
         let (got, want) = match *op {
-            Op::Claim { owner, key, payload } => {
+            Op::Claim {
+                owner,
+                key,
+                payload,
+            } => {
                 let claim = Claim {
                     key: keys[key as usize].clone(),
                     owner: owner_name(owner),
@@ -172,7 +206,11 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                 }
                 (claimed(&got), claimed(&want))
             }
-            Op::Complete { owner, key, response } => {
+            Op::Complete {
+                owner,
+                key,
+                response,
+            } => {
                 let k = &keys[key as usize];
                 let body = Bytes::from(vec![response, 0, 0xff]);
                 let lease = real_leases.get(owner, k, key);
@@ -181,9 +219,17 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                 let want = done(model.complete(&lease, body, RETENTION));
                 (got, want)
             }
-            Op::Fail { owner, key, permanent } => {
+            Op::Fail {
+                owner,
+                key,
+                permanent,
+            } => {
                 let k = &keys[key as usize];
-                let kind = if permanent { FailureKind::Permanent } else { FailureKind::Retry };
+                let kind = if permanent {
+                    FailureKind::Permanent
+                } else {
+                    FailureKind::Retry
+                };
                 let error = format!("err-{step}");
                 let lease = real_leases.get(owner, k, key);
                 let got = fenced(fx.backend.fail(&lease, &error, kind, RETENTION).await)?;

@@ -19,7 +19,7 @@ struct TokioClock(Instant);
 
 impl Clock for TokioClock {
     fn now(&self) -> Timestamp {
-        Timestamp::from_millis(1_000_000).add(self.0.elapsed())
+        Timestamp::from_millis(1_000_000).saturating_add(self.0.elapsed())
     }
 }
 
@@ -63,7 +63,10 @@ async fn heartbeat_keeps_a_long_handler_lease_alive() {
     });
     sleep(LEASE * 3).await; // three leases in: without heartbeats it would have lapsed
     let b = engine(Arc::clone(&backend), "b");
-    let answer = b.execute(&k, b"p", |_| async { ok("b ran") }).await.expect("b");
+    let answer = b
+        .execute(&k, b"p", |_| async { ok("b ran") })
+        .await
+        .expect("b");
     assert!(
         matches!(&answer, Outcome::InProgress { owner, .. } if owner == "a"),
         "{answer:?}"
@@ -111,7 +114,10 @@ async fn a_lost_lease_cancels_the_handler_and_yields_fenced() {
     assert_eq!(outcome, Outcome::Fenced);
     assert_eq!(told.load(Ordering::SeqCst), 1, "the handler was told");
     let rec = backend.get(&k).await.expect("get").expect("record");
-    assert_eq!((rec.state, rec.owner.as_str(), rec.token), (State::Processing, "b", 2));
+    assert_eq!(
+        (rec.state, rec.owner.as_str(), rec.token),
+        (State::Processing, "b", 2)
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -132,7 +138,10 @@ async fn a_panic_is_a_failed_attempt_and_the_next_one_runs() {
     let rec = backend.get(&k).await.expect("get").expect("record");
     assert_eq!(rec.state, State::Failed);
     let second = a.execute(&k, b"p", |_| async { ok("fine") }).await;
-    assert_eq!(second.expect("execute"), Outcome::Executed(Bytes::from_static(b"fine")));
+    assert_eq!(
+        second.expect("execute"),
+        Outcome::Executed(Bytes::from_static(b"fine"))
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -153,7 +162,11 @@ async fn attempts_run_out_into_poisoned() {
             .expect("execute");
         outcomes.push(out);
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 3, "the handler ran max_attempts times");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "the handler ran max_attempts times"
+    );
     assert!(matches!(outcomes[0], Outcome::Failed { attempts: 1, .. }));
     assert!(matches!(outcomes[1], Outcome::Failed { attempts: 2, .. }));
     for out in &outcomes[2..] {
@@ -173,7 +186,9 @@ async fn a_permanent_error_poisons_at_once() {
     let a = engine(backend, "a");
     let k = key("permanent");
     let out = a
-        .execute(&k, b"p", |_| async { Err(HandlerError::permanent("no such account")) })
+        .execute(&k, b"p", |_| async {
+            Err(HandlerError::permanent("no such account"))
+        })
         .await
         .expect("execute");
     let poisoned = Outcome::Poisoned {
@@ -190,7 +205,9 @@ async fn an_oversized_response_poisons_with_the_reason() {
     let backend: Arc<dyn Backend> = Arc::new(memory().max_response_bytes(16));
     let a = engine(backend, "a");
     let out = a
-        .execute(&key("big"), b"p", |_| async { Ok(Bytes::from(vec![0u8; 17])) })
+        .execute(&key("big"), b"p", |_| async {
+            Ok(Bytes::from(vec![0u8; 17]))
+        })
         .await
         .expect("execute");
     match out {
@@ -211,18 +228,29 @@ async fn a_failed_completion_surfaces_and_the_key_is_not_done() {
     let res = a.execute(&k, b"p", |_| async { ok("charged") }).await;
     assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
     let rec = faulty.inner().get(&k).await.expect("get").expect("record");
-    assert_eq!(rec.state, State::Processing, "not Completed: the offset must not move");
+    assert_eq!(
+        rec.state,
+        State::Processing,
+        "not Completed: the offset must not move"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn another_payload_under_a_known_key_is_a_mismatch() {
     let a = engine(Arc::new(memory()), "a");
     let k = key("fp");
-    a.execute(&k, b"pay 10", |_| async { ok("paid") }).await.expect("first");
+    a.execute(&k, b"pay 10", |_| async { ok("paid") })
+        .await
+        .expect("first");
     let out = a.execute(&k, b"pay 99", |_| async { ok("paid") }).await;
     assert_eq!(out.expect("second"), Outcome::Mismatch);
-    let same = a.execute(&k, b"pay 10", |_| async { ok("paid again") }).await;
-    assert_eq!(same.expect("third"), Outcome::Replayed(Bytes::from_static(b"paid")));
+    let same = a
+        .execute(&k, b"pay 10", |_| async { ok("paid again") })
+        .await;
+    assert_eq!(
+        same.expect("third"),
+        Outcome::Replayed(Bytes::from_static(b"paid"))
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -286,7 +314,10 @@ async fn wait_policy_waits_for_the_holder_then_replays() {
     });
     sleep(Duration::from_millis(10)).await;
     let out = b.execute(&k, b"p", |_| async { ok("from b") }).await;
-    assert_eq!(out.expect("b"), Outcome::Replayed(Bytes::from_static(b"from a")));
+    assert_eq!(
+        out.expect("b"),
+        Outcome::Replayed(Bytes::from_static(b"from a"))
+    );
     assert!(matches!(run.await.expect("task"), Ok(Outcome::Executed(_))));
 }
 

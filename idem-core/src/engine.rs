@@ -375,7 +375,10 @@ impl Engine {
             Ok(Ok(response)) => {
                 let limit = i.backend.capabilities().max_response_bytes;
                 if response.len() <= limit {
-                    return match i.backend.complete(&lease, response.clone(), i.retention).await
+                    return match i
+                        .backend
+                        .complete(&lease, response.clone(), i.retention)
+                        .await
                     {
                         Ok(()) => Ok(Outcome::Executed(response)),
                         Err(e) if e.is_fenced() => Ok(Outcome::Fenced),

@@ -38,7 +38,10 @@ impl Key {
     /// Bytes that are not UTF-8 are refused with [`Error::InvalidKey`].
     pub fn from_bytes(namespace: impl Into<String>, id: &[u8]) -> Result<Self, Error> {
         let id = std::str::from_utf8(id).map_err(|e| {
-            Error::invalid_key(format!("id is not valid UTF-8 (at byte {})", e.valid_up_to()))
+            Error::invalid_key(format!(
+                "id is not valid UTF-8 (at byte {})",
+                e.valid_up_to()
+            ))
         })?;
         Key::new(namespace, id)
     }
@@ -160,6 +163,9 @@ mod tests {
         let f = Fingerprint::of(b"payload");
         assert_eq!(Fingerprint::from_hex(&f.to_hex()).unwrap(), f);
         assert_ne!(f, Fingerprint::of(b"payload2"));
-        assert!(matches!(Fingerprint::from_hex("zz"), Err(Error::Corrupt { .. })));
+        assert!(matches!(
+            Fingerprint::from_hex("zz"),
+            Err(Error::Corrupt { .. })
+        ));
     }
 }

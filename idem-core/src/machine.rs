@@ -60,7 +60,7 @@ pub fn claim(
                 state: State::Failed,
                 lease_until: None,
                 error: Some(lapsed_error(rec.attempts)),
-                expires_at: Some(now.add(claim.retention)),
+                expires_at: Some(now.saturating_add(claim.retention)),
                 ..rec.clone()
             };
             (poisoned(&spent), Some(spent))
@@ -82,7 +82,7 @@ fn grant(
     kind: ClaimKind,
     now: Timestamp,
 ) -> (ClaimOutcome, Option<Record>) {
-    let lease_until = now.add(claim.lease_ttl);
+    let lease_until = now.saturating_add(claim.lease_ttl);
     let record = Record {
         key: claim.key.clone(),
         state: State::Processing,
@@ -94,7 +94,7 @@ fn grant(
         response: None,
         error: None,
         permanent: false,
-        expires_at: Some(lease_until.add(claim.retention)),
+        expires_at: Some(lease_until.saturating_add(claim.retention)),
     };
     let lease = Lease {
         key: record.key.clone(),
@@ -133,7 +133,7 @@ pub fn complete(
         lease_until: None,
         response: Some(response),
         error: None,
-        expires_at: Some(now.add(retention)),
+        expires_at: Some(now.saturating_add(retention)),
         ..rec.clone()
     })
 }
@@ -153,7 +153,7 @@ pub fn fail(
         lease_until: None,
         error: Some(error.to_owned()),
         permanent: kind == FailureKind::Permanent,
-        expires_at: Some(now.add(retention)),
+        expires_at: Some(now.saturating_add(retention)),
         ..rec.clone()
     })
 }
@@ -168,13 +168,13 @@ pub fn extend(
 ) -> Option<Record> {
     let rec = current.filter(|_| holds(current, lease, now))?;
     let old_until = rec.lease_until.unwrap_or(now);
-    let new_until = now.add(ttl);
+    let new_until = now.saturating_add(ttl);
     let keep = rec
         .expires_at
         .map_or(Duration::ZERO, |at| at.since(old_until));
     Some(Record {
         lease_until: Some(new_until),
-        expires_at: Some(new_until.add(keep)),
+        expires_at: Some(new_until.saturating_add(keep)),
         ..rec.clone()
     })
 }
@@ -207,11 +207,14 @@ mod tests {
         let t0 = Timestamp::from_millis(1_000);
         let (out, rec) = claim(None, &req("a"), t0);
         assert_eq!(lease_of(out).kind, ClaimKind::First);
-        let t1 = t0.add(Duration::from_secs(11));
+        let t1 = t0.saturating_add(Duration::from_secs(11));
         let (out, rec) = claim(rec.as_ref(), &req("b"), t1);
         let lease = lease_of(out);
-        assert_eq!((lease.kind, lease.token, lease.attempts), (ClaimKind::Takeover, 2, 2));
-        let t2 = t1.add(Duration::from_secs(11));
+        assert_eq!(
+            (lease.kind, lease.token, lease.attempts),
+            (ClaimKind::Takeover, 2, 2)
+        );
+        let t2 = t1.saturating_add(Duration::from_secs(11));
         let (out, rec) = claim(rec.as_ref(), &req("c"), t2);
         assert_eq!(
             out,
@@ -228,7 +231,7 @@ mod tests {
         let t0 = Timestamp::from_millis(0);
         let (out, rec) = claim(None, &req("a"), t0);
         let lease = lease_of(out);
-        let t1 = t0.add(Duration::from_secs(5));
+        let t1 = t0.saturating_add(Duration::from_secs(5));
         let rec = extend(rec.as_ref(), &lease, Duration::from_secs(10), t1).unwrap();
         assert_eq!(rec.lease_until, Some(Timestamp::from_millis(15_000)));
         assert_eq!(rec.expires_at, Some(Timestamp::from_millis(115_000)));

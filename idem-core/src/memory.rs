@@ -63,7 +63,12 @@ impl MemoryBackend {
         let now = self.clock.now();
         self.shards
             .iter()
-            .map(|s| lock(s).values().filter(|r| machine::is_live(r, now)).count())
+            .map(|s| {
+                lock(s)
+                    .values()
+                    .filter(|r| machine::is_live(r, now))
+                    .count()
+            })
             .sum()
     }
 

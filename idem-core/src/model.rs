@@ -27,7 +27,7 @@ impl Model {
 
     /// Moves the model's clock forward.
     pub fn advance(&mut self, d: Duration) {
-        self.now = self.now.add(d);
+        self.now = self.now.saturating_add(d);
     }
 
     /// The model's clock.

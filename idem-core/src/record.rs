@@ -39,7 +39,7 @@ impl Timestamp {
     }
 
     /// `self + d`, saturating.
-    pub fn add(self, d: Duration) -> Self {
+    pub fn saturating_add(self, d: Duration) -> Self {
         let d = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         Timestamp(self.0.saturating_add(d))
     }
