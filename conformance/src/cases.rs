@@ -77,35 +77,53 @@ pub async fn mutual_exclusion<F: Factory>(f: &F) {
     );
 }
 
+/// `n` claims of `key` at once, by owners `{prefix}0`, `{prefix}1`, ..., on separate tasks.
+async fn race<B: Backend + 'static>(
+    backend: &Arc<B>,
+    key: &idem_core::Key,
+    lease: Duration,
+    n: usize,
+    prefix: &str,
+) -> Vec<ClaimOutcome> {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let backend = Arc::clone(backend);
+            let claim = crate::claim_of(key, &format!("{prefix}{i}"), lease);
+            tokio::spawn(async move { backend.claim(&claim).await })
+        })
+        .collect();
+    let mut answers = Vec::with_capacity(n);
+    for t in tasks {
+        answers.push(t.await.expect("task").expect("claim"));
+    }
+    answers
+}
+
 /// Invariant 1 under real concurrency: 64 simultaneous claims, exactly one `Acquired`.
 pub async fn claim_race<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let key = fx.key("race");
-    let backend = Arc::new(fx.backend);
-    let mut tasks = Vec::new();
-    for i in 0..64 {
-        let backend = Arc::clone(&backend);
-        let claim = idem_core::Claim {
-            owner: format!("w{i}"),
-            ..crate::claim_of(&key, "", fx.lease)
-        };
-        tasks.push(tokio::spawn(async move { backend.claim(&claim).await }));
-    }
-    let mut winners = Vec::new();
-    let mut holders = Vec::new();
-    for t in tasks {
-        match t.await.expect("task").expect("claim") {
-            ClaimOutcome::Acquired(l) => winners.push(l),
-            ClaimOutcome::InProgress { owner, .. } => holders.push(owner),
-            other => panic!("unexpected answer {other:?}"),
-        }
-    }
+    let answers = race(&Arc::new(fx.backend), &key, fx.lease, 64, "w").await;
+    let (winners, holders) = split_race(answers);
     assert_eq!(winners.len(), 1, "exactly one Acquired of 64: {winners:?}");
     assert_eq!(winners[0].token, 1);
     assert!(
         holders.iter().all(|o| *o == winners[0].owner),
-        "losers name the winner"
+        "losers name the winner: {holders:?}"
     );
+}
+
+/// The granted leases, and the holders the other answers named; anything else panics.
+fn split_race(answers: Vec<ClaimOutcome>) -> (Vec<Lease>, Vec<String>) {
+    let (mut winners, mut holders) = (Vec::new(), Vec::new());
+    for answer in answers {
+        match answer {
+            ClaimOutcome::Acquired(l) => winners.push(l),
+            ClaimOutcome::InProgress { owner, .. } => holders.push(owner),
+            other => panic!("unexpected answer in a race: {other:?}"),
+        }
+    }
+    (winners, holders)
 }
 
 /// Invariant 2: after a takeover, the old lease's complete, fail and extend are `Fenced`
@@ -116,41 +134,23 @@ pub async fn fencing_after_takeover<F: Factory>(f: &F) {
     let old = fx.acquire(&fx.claim(&key, "a")).await;
     fx.lapse().await;
     let new = fx.acquire(&fx.claim(&key, "b")).await;
-    let before = fx.backend.get(&key).await.expect("get");
+    refuses_all("after takeover", &fx.backend, &old, fx.lease).await;
     let b = &fx.backend;
-    assert_fenced(
-        "stale complete",
-        b.complete(&old, Bytes::from_static(b"old"), HOUR).await,
-    );
-    assert_fenced(
-        "stale fail",
-        b.fail(&old, "x", FailureKind::Permanent, HOUR).await,
-    );
-    assert_fenced("stale extend", b.extend(&old, fx.lease).await);
-    assert_eq!(
-        b.get(&key).await.expect("get"),
-        before,
-        "stale calls changed the record"
-    );
-
     b.complete(&new, Bytes::from_static(b"new"), HOUR)
         .await
         .expect("complete");
-    let done = b.get(&key).await.expect("get");
-    assert_fenced(
-        "second complete",
-        b.complete(&new, Bytes::from_static(b"again"), HOUR).await,
-    );
-    assert_fenced(
-        "fail after complete",
-        b.fail(&new, "x", FailureKind::Retry, HOUR).await,
-    );
-    assert_fenced("extend after complete", b.extend(&new, fx.lease).await);
-    assert_eq!(
-        b.get(&key).await.expect("get"),
-        done,
-        "fenced calls changed the record"
-    );
+    refuses_all("after complete", b, &new, fx.lease).await;
+}
+
+/// Every fencing call with `lease` is `Fenced` and leaves the record as it was.
+async fn refuses_all<B: Backend>(when: &str, b: &B, lease: &Lease, ttl: Duration) {
+    let before = b.get(&lease.key).await.expect("get");
+    let body = Bytes::from_static(b"stale");
+    assert_fenced(when, b.complete(lease, body, HOUR).await);
+    assert_fenced(when, b.fail(lease, "x", FailureKind::Permanent, HOUR).await);
+    assert_fenced(when, b.extend(lease, ttl).await);
+    let after = b.get(&lease.key).await.expect("get");
+    assert_eq!(after, before, "fenced calls {when} changed the record");
 }
 
 /// Invariant 2: a lease with the right token but another owner, or for a key never claimed,
@@ -314,26 +314,11 @@ pub async fn crash_recovery<F: Factory>(f: &F) {
     let answer = fx.backend.claim(&fx.claim(&key, "x")).await.expect("claim");
     assert!(in_progress_by(&answer, "dead"), "before lapse: {answer:?}");
     fx.lapse().await;
-    let backend = Arc::new(fx.backend);
-    let mut tasks = Vec::new();
-    for i in 0..16 {
-        let backend = Arc::clone(&backend);
-        let claim = idem_core::Claim {
-            owner: format!("r{i}"),
-            ..crate::claim_of(&key, "", fx.lease)
-        };
-        tasks.push(tokio::spawn(async move { backend.claim(&claim).await }));
-    }
-    let mut takeovers = Vec::new();
-    for t in tasks {
-        match t.await.expect("task").expect("claim") {
-            ClaimOutcome::Acquired(l) => takeovers.push(l),
-            ClaimOutcome::InProgress { .. } => {}
-            other => panic!("unexpected {other:?}"),
-        }
-    }
+    let answers = race(&Arc::new(fx.backend), &key, fx.lease, 16, "r").await;
+    let (takeovers, holders) = split_race(answers);
     assert_eq!(takeovers.len(), 1, "exactly one takeover: {takeovers:?}");
     let t = &takeovers[0];
+    assert!(holders.iter().all(|o| *o == t.owner), "{holders:?}");
     assert_eq!(
         (t.token, t.attempts, t.kind),
         (dead.token + 1, 2, ClaimKind::Takeover)
