@@ -662,6 +662,44 @@ pub async fn engine_executes_once<F: Factory>(f: &F) {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
 }
 
+/// `list` filters by namespace and state and honours the limit, where the backend can list;
+/// a backend that cannot answers `Unsupported`.
+pub async fn list_records<F: Factory>(f: &F) {
+    let fx = f.setup().await;
+    let b = &fx.backend;
+    let filter = idem_core::ListFilter {
+        namespace: Some(fx.namespace.clone()),
+        state: Some(State::Processing),
+        limit: 0,
+    };
+    if !b.capabilities().list {
+        let res = b.list(&filter).await;
+        assert!(matches!(res, Err(Error::Unsupported { .. })), "{res:?}");
+        return;
+    }
+    for id in ["l1", "l2", "l3"] {
+        fx.acquire(&fx.claim(&fx.key(id), "a")).await;
+    }
+    let l = fx.acquire(&fx.claim(&fx.key("l4"), "a")).await;
+    b.complete(&l, Bytes::from_static(b"x"), HOUR)
+        .await
+        .expect("complete");
+    let mut ids: Vec<String> = (b.list(&filter).await.expect("list").into_iter())
+        .map(|r| r.key.id().to_owned())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["l1", "l2", "l3"]);
+    let done = idem_core::ListFilter {
+        state: Some(State::Completed),
+        ..filter.clone()
+    };
+    let listed = b.list(&done).await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].response, Some(Bytes::from_static(b"x")));
+    let two = idem_core::ListFilter { limit: 2, ..filter };
+    assert_eq!(b.list(&two).await.expect("list").len(), 2);
+}
+
 /// Invariant 9: random operation sequences from several owners, with time moves, give the
 /// reference model's answers. Cases: `PROPTEST_CASES` (default 256).
 pub async fn model_agreement<F: Factory>(f: &F) {

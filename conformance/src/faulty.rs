@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use idem_core::{
-    Backend, Bytes, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record,
-    Result, Timestamp, async_trait,
+    Backend, Bytes, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter,
+    Record, Result, Timestamp, async_trait,
 };
 
 /// Which calls a [`Faulty`] backend refuses.
@@ -23,7 +23,7 @@ pub enum Fault {
     Fail = 4,
     /// `extend`.
     Extend = 8,
-    /// `get`, `delete` and `purge_expired`.
+    /// `get`, `delete`, `purge_expired` and `list`.
     Read = 16,
 }
 
@@ -114,6 +114,10 @@ impl<B: Backend> Backend for Faulty<B> {
     async fn purge_expired(&self) -> Result<u64> {
         self.check(Fault::Read)?;
         self.inner.purge_expired().await
+    }
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+        self.check(Fault::Read)?;
+        self.inner.list(filter).await
     }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()

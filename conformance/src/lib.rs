@@ -107,6 +107,19 @@ pub fn claim_of(key: &Key, owner: &str, lease: Duration) -> Claim {
     }
 }
 
+/// The value of the environment variable `var` (such as `IDEM_REDIS_URL`), or a panic that
+/// names the command starting the test services: a test whose service is not configured
+/// fails, it never passes silently.
+pub fn service_env(var: &str) -> String {
+    match std::env::var(var) {
+        Ok(value) if !value.trim().is_empty() => value,
+        _ => panic!(
+            "{var} is not set: start the test services with `eval \"$(scripts/services up)\"` \
+             (scripts/test does this for you)"
+        ),
+    }
+}
+
 /// A namespace unique to this process and call.
 pub fn unique_namespace() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -180,6 +193,7 @@ macro_rules! suite {
             claim_many_agrees,
             response_bytes_round_trip,
             engine_executes_once,
+            list_records,
             model_agreement,
         );
     };

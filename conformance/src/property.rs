@@ -55,7 +55,9 @@ enum Op {
     },
 }
 
-fn op() -> impl Strategy<Value = Op> {
+/// Operations; `advance_weight` is how often time moves (each move is a real sleep under
+/// [`Time::Real`], so real servers get fewer).
+fn op(advance_weight: u32) -> impl Strategy<Value = Op> {
     let owner = 0..OWNERS;
     let key = 0..KEYS;
     prop_oneof![
@@ -68,7 +70,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (owner.clone(), key.clone()).prop_map(|(owner, key)| Op::Extend { owner, key }),
         1 => key.clone().prop_map(|key| Op::Get { key }),
         1 => key.prop_map(|key| Op::Delete { key }),
-        2 => (1u8..7).prop_map(|quarters| Op::Advance { quarters }),
+        advance_weight => (1u8..7).prop_map(|quarters| Op::Advance { quarters }),
     ]
 }
 
@@ -286,6 +288,9 @@ fn done(ok: bool) -> Answer {
 
 /// Runs the property: `PROPTEST_CASES` sequences (default 256) of up to 40 operations,
 /// each on a fresh fixture. Needs a multi-threaded tokio runtime.
+///
+/// Under [`Time::Real`] time moves are rarer (about one a sequence, each a sleep of one
+/// and a half leases) and sequences shorter, so that 256 cases take minutes, not hours.
 pub async fn model_agreement<F: Factory>(factory: &F) {
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
@@ -296,15 +301,20 @@ pub async fn model_agreement<F: Factory>(factory: &F) {
         failure_persistence: None,
         ..Config::default()
     };
+    let real = matches!(factory.setup().await.time, Time::Real);
+    let (advance_weight, max_len) = if real { (1, 24) } else { (3, 40) };
     let handle = tokio::runtime::Handle::current();
     let result = tokio::task::block_in_place(|| {
         let mut runner = TestRunner::new(config);
-        runner.run(&proptest::collection::vec(op(), 1..40), |ops| {
-            handle.block_on(async {
-                let fx = factory.setup().await;
-                run_case(&fx, &ops).await
-            })
-        })
+        runner.run(
+            &proptest::collection::vec(op(advance_weight), 1..max_len),
+            |ops| {
+                handle.block_on(async {
+                    let fx = factory.setup().await;
+                    run_case(&fx, &ops).await
+                })
+            },
+        )
     });
     if let Err(e) = result {
         panic!("model agreement failed: {e}");

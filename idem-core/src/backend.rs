@@ -6,7 +6,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::{Claim, ClaimOutcome, FailureKind, Key, Lease, Record, Result, Timestamp};
+use crate::{
+    Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record, Result, State, Timestamp,
+};
 
 /// What a backend can do beyond the required operations. The conformance suite and the
 /// engine read these; nothing asks a backend for what it does not declare.
@@ -21,6 +23,8 @@ pub struct Capabilities {
     pub transactions: bool,
     /// The largest response `complete` accepts, in bytes.
     pub max_response_bytes: usize,
+    /// `list` is implemented.
+    pub list: bool,
 }
 
 impl Default for Capabilities {
@@ -30,6 +34,7 @@ impl Default for Capabilities {
             batch_claim: false,
             transactions: false,
             max_response_bytes: 64 * 1024,
+            list: false,
         }
     }
 }
@@ -53,10 +58,37 @@ impl Capabilities {
         self
     }
 
+    /// Sets `list`.
+    pub fn with_list(mut self, yes: bool) -> Self {
+        self.list = yes;
+        self
+    }
+
     /// Sets `max_response_bytes`.
     pub fn with_max_response_bytes(mut self, bytes: usize) -> Self {
         self.max_response_bytes = bytes;
         self
+    }
+}
+
+/// Which records [`Backend::list`] returns.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ListFilter {
+    /// Only this namespace (all when `None`).
+    pub namespace: Option<String>,
+    /// Only this state (all when `None`).
+    pub state: Option<State>,
+    /// At most this many records (0: no limit).
+    pub limit: usize,
+}
+
+impl ListFilter {
+    /// Whether `record` passes the namespace and state conditions.
+    pub fn matches(&self, record: &Record) -> bool {
+        self.namespace
+            .as_deref()
+            .is_none_or(|ns| record.key.namespace() == ns)
+            && self.state.is_none_or(|s| record.state == s)
     }
 }
 
@@ -114,6 +146,14 @@ pub trait Backend: Send + Sync {
     /// expiry may return 0.
     async fn purge_expired(&self) -> Result<u64>;
 
+    /// Live records passing `filter`, in no set order: an operator's tool (`idem list`),
+    /// not for hot paths. Backends that cannot enumerate keep the default, which answers
+    /// [`Error::Unsupported`], and leave [`Capabilities::list`] false.
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+        let _ = filter;
+        Err(Error::Unsupported { operation: "list" })
+    }
+
     /// What this backend can do.
     fn capabilities(&self) -> Capabilities;
 }
@@ -145,6 +185,9 @@ macro_rules! forward {
             }
             async fn purge_expired(&self) -> Result<u64> {
                 (**self).purge_expired().await
+            }
+            async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+                (**self).list(filter).await
             }
             fn capabilities(&self) -> Capabilities {
                 (**self).capabilities()

@@ -13,7 +13,7 @@ mod memory;
 mod model;
 mod record;
 
-pub use backend::{Backend, Capabilities};
+pub use backend::{Backend, Capabilities, ListFilter};
 pub use engine::{Engine, EngineBuilder, Outcome, WaitPolicy};
 pub use error::{BoxError, Error, Result};
 pub use handler::{Context, HandlerError};

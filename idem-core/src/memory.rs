@@ -11,8 +11,8 @@ use bytes::Bytes;
 
 use crate::clock::{Clock, SystemClock};
 use crate::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record, Result,
-    Timestamp, machine,
+    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
+    Result, Timestamp, machine,
 };
 
 type Shard = Mutex<HashMap<Key, Record>>;
@@ -177,7 +177,32 @@ impl Backend for MemoryBackend {
         Ok(purged)
     }
 
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+        let now = self.clock.now();
+        let limit = if filter.limit == 0 {
+            usize::MAX
+        } else {
+            filter.limit
+        };
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            let map = lock(shard);
+            let live = map.values().filter(|r| machine::is_live(r, now));
+            out.extend(
+                live.filter(|r| filter.matches(r))
+                    .take(limit - out.len())
+                    .cloned(),
+            );
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
     fn capabilities(&self) -> Capabilities {
-        Capabilities::default().with_max_response_bytes(self.max_response_bytes)
+        Capabilities::default()
+            .with_max_response_bytes(self.max_response_bytes)
+            .with_list(true)
     }
 }
