@@ -4,3 +4,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_core::*;
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use idem_postgres as postgres;

@@ -1,6 +1,5 @@
 //! The engine: wraps a handler in claim, heartbeat, run, and complete or fail.
 
-use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -84,6 +83,21 @@ impl<T> Outcome<T> {
             Outcome::Mismatch => Outcome::Mismatch,
             Outcome::Fenced => Outcome::Fenced,
         })
+    }
+
+    /// The outcome of an attempt whose handler failed and whose failure was recorded:
+    /// `Poisoned` if the failure was permanent or no attempts are left, else `Failed`.
+    pub fn after_failure(
+        attempts: u32,
+        max_attempts: u32,
+        kind: FailureKind,
+        error: String,
+    ) -> Self {
+        if kind == FailureKind::Permanent || attempts >= max_attempts {
+            Outcome::Poisoned { attempts, error }
+        } else {
+            Outcome::Failed { attempts, error }
+        }
     }
 
     /// The response of `Executed` or `Replayed`.
@@ -393,7 +407,7 @@ impl Engine {
                 HandlerError::permanent(too_large)
             }
             Ok(Err(e)) => e,
-            Err(panic) => HandlerError::retry(format!("handler panicked: {}", panic_text(&panic))),
+            Err(panic) => HandlerError::panicked(panic.as_ref()),
         };
         let kind = failure.kind();
         match i
@@ -405,23 +419,12 @@ impl Engine {
             Err(e) if e.is_fenced() => return Ok(Outcome::Fenced),
             Err(e) => return Err(e),
         }
-        let (attempts, error) = (lease.attempts, failure.message().to_owned());
-        Ok(
-            if kind == FailureKind::Permanent || attempts >= i.max_attempts {
-                Outcome::Poisoned { attempts, error }
-            } else {
-                Outcome::Failed { attempts, error }
-            },
-        )
-    }
-}
-
-fn panic_text(panic: &Box<dyn Any + Send>) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-text panic payload".to_owned()
+        let error = failure.message().to_owned();
+        Ok(Outcome::after_failure(
+            lease.attempts,
+            i.max_attempts,
+            kind,
+            error,
+        ))
     }
 }

@@ -77,6 +77,18 @@ impl HandlerError {
         }
     }
 
+    /// A retryable failure for a handler that panicked with `payload`.
+    pub fn panicked(payload: &(dyn std::any::Any + Send)) -> Self {
+        let text = if let Some(s) = payload.downcast_ref::<&str>() {
+            (*s).to_owned()
+        } else if let Some(s) = payload.downcast_ref::<String>() {
+            s.clone()
+        } else {
+            "non-text panic payload".to_owned()
+        };
+        HandlerError::retry(format!("handler panicked: {text}"))
+    }
+
     /// The error text stored in the record.
     pub fn message(&self) -> &str {
         &self.message

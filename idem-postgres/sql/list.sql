@@ -1,0 +1,6 @@
+SELECT {columns}
+FROM {schema}.idem_records
+WHERE {live}
+  AND ($1::text IS NULL OR namespace = $1)
+  AND ($2::text IS NULL OR state = $2)
+LIMIT $3

@@ -1,0 +1,402 @@
+//! `PgBackend`: the `Backend` trait on PostgreSQL.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use idem_core::{
+    Backend, Capabilities, Claim, ClaimKind, ClaimOutcome, Error, FailureKind, Fingerprint, Key,
+    Lease, ListFilter, Record, Result, State, Timestamp, machine,
+};
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::config::PgConfig;
+use crate::error::map;
+use crate::sql::Statements;
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Records in a PostgreSQL table; the database clock (`now()`) decides lease lapse.
+#[derive(Clone, Debug)]
+pub struct PgBackend {
+    pub(crate) pool: PgPool,
+    pub(crate) sql: Arc<Statements>,
+    schema: String,
+    max_response_bytes: usize,
+    purge_batch: i64,
+    timeout: Duration,
+}
+
+impl PgBackend {
+    /// Connects a pool. Does not create tables: call [`PgBackend::migrate`] once.
+    pub async fn connect(config: PgConfig) -> Result<Self> {
+        let pool = PgPoolOptions::new()
+            .max_connections(config.max_connections)
+            .acquire_timeout(config.connect_timeout)
+            .connect(&config.url)
+            .await
+            .map_err(|e| map(&format!("connect to {}", config.redacted_url()), e))?;
+        Self::from_pool(pool, config)
+    }
+
+    /// Uses an existing pool; `config` gives the schema and limits (its URL is not used).
+    pub fn from_pool(pool: PgPool, config: PgConfig) -> Result<Self> {
+        let schema = config.quoted_schema()?;
+        Ok(PgBackend {
+            pool,
+            sql: Arc::new(Statements::new(&schema)),
+            schema,
+            max_response_bytes: config.max_response_bytes,
+            purge_batch: config.purge_batch.max(1),
+            timeout: config.connect_timeout * 2,
+        })
+    }
+
+    /// The pool, for the caller's own queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Creates the schema and runs the migrations in `migrations/` (idempotent).
+    pub async fn migrate(&self) -> Result<()> {
+        let mut conn = self.pool.acquire().await.map_err(|e| map("migrate", e))?;
+        let create = format!("CREATE SCHEMA IF NOT EXISTS {}", self.schema);
+        let path = format!("SET search_path TO {}", self.schema);
+        for stmt in [create, path] {
+            sqlx::query(AssertSqlSafe(stmt))
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| map("migrate", e))?;
+        }
+        // run_direct, not run: run's future is not provably Send (sqlx says so at run_direct).
+        let ran = MIGRATOR
+            .run_direct(None, &mut *conn, false)
+            .await
+            .map_err(|e| Error::Config {
+                message: "migrations failed".into(),
+                source: Some(Box::new(e)),
+            });
+        let reset = sqlx::query("RESET search_path").execute(&mut *conn).await;
+        ran?;
+        reset.map_err(|e| map("migrate", e))?;
+        Ok(())
+    }
+
+    /// Runs `fut` within the query timeout; a timeout is `Unavailable`.
+    pub(crate) async fn timed<T>(
+        &self,
+        what: &str,
+        fut: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(res) => res.map_err(|e| map(what, e)),
+            Err(_) => Err(Error::Unavailable {
+                message: format!(
+                    "{what}: no answer from PostgreSQL within {:?}",
+                    self.timeout
+                ),
+                source: None,
+            }),
+        }
+    }
+
+    /// One statement for claims of distinct keys. `None` where the key was neither written
+    /// nor found (a concurrent first insert committed after this statement's snapshot), or
+    /// where the database and the state machine disagreed at a millisecond boundary: the
+    /// caller asks again.
+    async fn claim_round(&self, claims: &[&Claim]) -> Result<Vec<Option<ClaimOutcome>>> {
+        let mut ns = Vec::with_capacity(claims.len());
+        let (mut ids, mut owners, mut ttls) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut fps, mut maxes, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
+        for c in claims {
+            ns.push(c.key.namespace());
+            ids.push(c.key.id());
+            owners.push(c.owner.as_str());
+            ttls.push(millis(c.lease_ttl));
+            fps.push(c.fingerprint.map(|f| f.0.to_vec()));
+            maxes.push(i32::try_from(c.max_attempts).unwrap_or(i32::MAX));
+            retentions.push(millis(c.retention));
+        }
+        let query = sqlx::query(self.sql.claim.sql())
+            .bind(ns)
+            .bind(ids)
+            .bind(owners)
+            .bind(ttls)
+            .bind(fps)
+            .bind(maxes)
+            .bind(retentions);
+        let rows = self.timed("claim", query.fetch_all(&self.pool)).await?;
+        let mut by_key = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let rec = decode(row)?;
+            let written: bool = row.try_get("written").map_err(|e| map("claim", e))?;
+            let kind: String = row.try_get("claim_kind").map_err(|e| map("claim", e))?;
+            let now: i64 = row.try_get("now_ms").map_err(|e| map("claim", e))?;
+            by_key.insert(rec.key.clone(), (rec, written, kind, now));
+        }
+        let mut out = Vec::with_capacity(claims.len());
+        for claim in claims {
+            let Some((rec, written, kind, now)) = by_key.get(&claim.key) else {
+                out.push(None);
+                continue;
+            };
+            out.push(if *written {
+                Some(granted(rec, kind)?)
+            } else {
+                let now = Timestamp::from_millis(u64::try_from(*now).unwrap_or(0));
+                match machine::claim(Some(rec), claim, now).0 {
+                    ClaimOutcome::Acquired(_) => None,
+                    answer => Some(answer),
+                }
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// A duration as whole milliseconds for SQL intervals, capped at about a century.
+pub(crate) fn millis(d: Duration) -> i64 {
+    const CENTURY_MS: u128 = 100 * 365 * 24 * 3600 * 1000;
+    i64::try_from(d.as_millis().min(CENTURY_MS)).unwrap_or(i64::MAX)
+}
+
+/// The answer for a row the claim statement wrote.
+fn granted(rec: &Record, kind: &str) -> Result<ClaimOutcome> {
+    let kind = match kind {
+        "first" => ClaimKind::First,
+        "retry" => ClaimKind::Retry,
+        "takeover" => ClaimKind::Takeover,
+        "poisoned" => {
+            return Ok(ClaimOutcome::Poisoned {
+                attempts: rec.attempts,
+                error: rec.error.clone().unwrap_or_default(),
+            });
+        }
+        other => {
+            return Err(Error::corrupt(format!(
+                "claim_kind {other:?} of {}",
+                rec.key
+            )));
+        }
+    };
+    let lease_until = rec
+        .lease_until
+        .ok_or_else(|| Error::corrupt(format!("claimed {} has no lease_until", rec.key)))?;
+    Ok(ClaimOutcome::Acquired(Lease {
+        key: rec.key.clone(),
+        owner: rec.owner.clone(),
+        token: rec.token,
+        attempts: rec.attempts,
+        lease_until,
+        kind,
+    }))
+}
+
+/// Decodes a row of the record columns; anything that is not an idem record is `Corrupt`.
+pub(crate) fn decode(row: &PgRow) -> Result<Record> {
+    let get = |e: sqlx::Error| map("decode record", e);
+    let namespace: String = row.try_get("namespace").map_err(get)?;
+    let id: String = row.try_get("id").map_err(get)?;
+    let key = Key::new(namespace, id).map_err(|e| Error::Corrupt {
+        message: "stored key is not a valid key".into(),
+        source: Some(Box::new(e)),
+    })?;
+    let state: String = row.try_get("state").map_err(get)?;
+    let state =
+        State::parse(&state).ok_or_else(|| Error::corrupt(format!("state {state:?} of {key}")))?;
+    let token: i64 = row.try_get("token").map_err(get)?;
+    let attempts: i32 = row.try_get("attempts").map_err(get)?;
+    let fingerprint: Option<Vec<u8>> = row.try_get("fingerprint").map_err(get)?;
+    let fingerprint = match fingerprint {
+        None => None,
+        Some(bytes) => Some(Fingerprint(bytes.try_into().map_err(|b: Vec<u8>| {
+            Error::corrupt(format!("fingerprint of {key} is {} bytes, not 32", b.len()))
+        })?)),
+    };
+    let time = |name: &str| -> Result<Option<Timestamp>> {
+        let ms: Option<i64> = row.try_get(name).map_err(get)?;
+        Ok(ms.map(|ms| Timestamp::from_millis(u64::try_from(ms).unwrap_or(0))))
+    };
+    let response: Option<Vec<u8>> = row.try_get("response").map_err(get)?;
+    Ok(Record {
+        state,
+        owner: row.try_get("owner").map_err(get)?,
+        token: u64::try_from(token)
+            .map_err(|_| Error::corrupt(format!("negative token of {key}")))?,
+        attempts: u32::try_from(attempts)
+            .map_err(|_| Error::corrupt(format!("negative attempts of {key}")))?,
+        lease_until: time("lease_until_ms")?,
+        fingerprint,
+        response: response.map(Bytes::from),
+        error: row.try_get("error").map_err(get)?,
+        permanent: row.try_get("permanent").map_err(get)?,
+        expires_at: time("expires_at_ms")?,
+        key,
+    })
+}
+
+#[async_trait]
+impl Backend for PgBackend {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
+        let mut answers = self.claim_many(std::slice::from_ref(claim)).await?;
+        answers
+            .pop()
+            .ok_or_else(|| Error::corrupt("claim returned no answer"))
+    }
+
+    /// One statement per batch of distinct keys; a key repeated in the batch takes one more
+    /// statement per repetition, so answers are those of claims made one after another.
+    async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
+        let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
+        let mut pending: Vec<usize> = (0..claims.len()).collect();
+        for _ in 0..claims.len() + 16 {
+            if pending.is_empty() {
+                break;
+            }
+            let mut seen = HashSet::new();
+            let (round, mut rest): (Vec<usize>, Vec<usize>) =
+                pending.iter().partition(|&&i| seen.insert(&claims[i].key));
+            let batch: Vec<&Claim> = round.iter().map(|&i| &claims[i]).collect();
+            for (i, answer) in round.into_iter().zip(self.claim_round(&batch).await?) {
+                match answer {
+                    Some(answer) => answers[i] = Some(answer),
+                    None => rest.push(i),
+                }
+            }
+            rest.sort_unstable();
+            pending = rest;
+        }
+        answers
+            .into_iter()
+            .map(|a| {
+                a.ok_or_else(|| Error::Unavailable {
+                    message: "claim kept racing with concurrent first inserts; retry".into(),
+                    source: None,
+                })
+            })
+            .collect()
+    }
+
+    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
+        if response.len() > self.max_response_bytes {
+            return Err(Error::TooLarge {
+                what: "response",
+                size: response.len(),
+                limit: self.max_response_bytes,
+            });
+        }
+        let query = fenced(sqlx::query(self.sql.complete.sql()), lease)
+            .bind(response.as_ref())
+            .bind(millis(retention));
+        let done = self.timed("complete", query.execute(&self.pool)).await?;
+        check_fence(done.rows_affected(), lease)
+    }
+
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        kind: FailureKind,
+        retention: Duration,
+    ) -> Result<()> {
+        let query = fenced(sqlx::query(self.sql.fail.sql()), lease)
+            .bind(error)
+            .bind(kind == FailureKind::Permanent)
+            .bind(millis(retention));
+        let done = self.timed("fail", query.execute(&self.pool)).await?;
+        check_fence(done.rows_affected(), lease)
+    }
+
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
+        let query = fenced(sqlx::query(self.sql.extend.sql()), lease).bind(millis(ttl));
+        let row = self
+            .timed("extend", query.fetch_optional(&self.pool))
+            .await?;
+        let row = row.ok_or_else(|| fenced_error(lease))?;
+        let ms: i64 = row
+            .try_get("lease_until_ms")
+            .map_err(|e| map("extend", e))?;
+        Ok(Timestamp::from_millis(u64::try_from(ms).unwrap_or(0)))
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>> {
+        let query = sqlx::query(self.sql.get.sql())
+            .bind(key.namespace())
+            .bind(key.id());
+        let row = self.timed("get", query.fetch_optional(&self.pool)).await?;
+        row.as_ref().map(decode).transpose()
+    }
+
+    async fn delete(&self, key: &Key) -> Result<bool> {
+        let query = sqlx::query(self.sql.delete.sql())
+            .bind(key.namespace())
+            .bind(key.id());
+        let row = self
+            .timed("delete", query.fetch_optional(&self.pool))
+            .await?;
+        match row {
+            Some(row) => row.try_get("live").map_err(|e| map("delete", e)),
+            None => Ok(false),
+        }
+    }
+
+    async fn purge_expired(&self) -> Result<u64> {
+        let mut purged = 0;
+        loop {
+            let query = sqlx::query(self.sql.purge.sql()).bind(self.purge_batch);
+            let done = self.timed("purge", query.execute(&self.pool)).await?;
+            purged += done.rows_affected();
+            if done.rows_affected() < u64::try_from(self.purge_batch).unwrap_or(u64::MAX) {
+                return Ok(purged);
+            }
+        }
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+        let limit = (filter.limit > 0).then(|| i64::try_from(filter.limit).unwrap_or(i64::MAX));
+        let query = sqlx::query(self.sql.list.sql())
+            .bind(filter.namespace.as_deref())
+            .bind(filter.state.map(State::as_str))
+            .bind(limit);
+        let rows = self.timed("list", query.fetch_all(&self.pool)).await?;
+        rows.iter().map(decode).collect()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+            .with_batch_claim(true)
+            .with_transactions(true)
+            .with_list(true)
+            .with_max_response_bytes(self.max_response_bytes)
+    }
+}
+
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// Binds the four parameters every fenced statement starts with: key, token, owner.
+pub(crate) fn fenced<'q>(query: PgQuery<'q>, lease: &'q Lease) -> PgQuery<'q> {
+    query
+        .bind(lease.key.namespace())
+        .bind(lease.key.id())
+        .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+        .bind(lease.owner.as_str())
+}
+
+pub(crate) fn fenced_error(lease: &Lease) -> Error {
+    Error::Fenced {
+        key: lease.key.clone(),
+        token: lease.token,
+    }
+}
+
+pub(crate) fn check_fence(rows: u64, lease: &Lease) -> Result<()> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(fenced_error(lease))
+    }
+}

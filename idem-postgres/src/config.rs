@@ -1,0 +1,134 @@
+//! How to reach PostgreSQL and where idem's tables live.
+
+use std::fmt;
+use std::time::Duration;
+
+use idem_core::Error;
+
+/// Connection and naming settings for [`PgBackend`](crate::PgBackend).
+///
+/// `Debug` never shows the password.
+#[derive(Clone)]
+pub struct PgConfig {
+    /// A `postgres://user:password@host:port/database` URL.
+    pub url: String,
+    /// The schema holding `idem_records` and `idem_offsets` (default `idem`). Two services
+    /// sharing one database give each its own schema.
+    pub schema: String,
+    /// The pool's size (default 16).
+    pub max_connections: u32,
+    /// How long to wait for a connection from the pool or the server (default 5 s).
+    pub connect_timeout: Duration,
+    /// The largest response `complete` accepts (default 64 KiB).
+    pub max_response_bytes: usize,
+    /// Rows deleted per `purge_expired` batch (default 1,000).
+    pub purge_batch: i64,
+}
+
+impl PgConfig {
+    /// Defaults for `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        PgConfig {
+            url: url.into(),
+            schema: "idem".into(),
+            max_connections: 16,
+            connect_timeout: Duration::from_secs(5),
+            max_response_bytes: 64 * 1024,
+            purge_batch: 1000,
+        }
+    }
+
+    /// Sets the schema.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// Sets the pool size.
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// Sets the connect timeout.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Sets the largest response `complete` accepts.
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        self.max_response_bytes = bytes;
+        self
+    }
+
+    /// The schema as a quoted SQL identifier, after checking it is a plain lower-case name
+    /// (letters, digits, `_`, at most 63 bytes): the one name idem puts into SQL text.
+    pub(crate) fn quoted_schema(&self) -> Result<String, Error> {
+        let s = &self.schema;
+        let plain = !s.is_empty()
+            && s.len() <= 63
+            && s.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && s.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !plain {
+            return Err(Error::config(format!(
+                "schema {s:?} must be lower-case letters, digits and _, at most 63 bytes"
+            )));
+        }
+        Ok(format!("\"{s}\""))
+    }
+
+    /// The URL with any password replaced by `***`.
+    pub fn redacted_url(&self) -> String {
+        redact(&self.url)
+    }
+}
+
+/// `url` with its password replaced by `***`; an unparsable URL is hidden whole.
+pub(crate) fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            u.to_string()
+        }
+        Err(_) => "<unparsable url>".into(),
+    }
+}
+
+impl fmt::Debug for PgConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgConfig")
+            .field("url", &self.redacted_url())
+            .field("schema", &self.schema)
+            .field("max_connections", &self.max_connections)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .field("purge_batch", &self.purge_batch)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_hides_the_password() {
+        let c = PgConfig::new("postgres://app:s3cret-pw@db.local:5432/orders");
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret-pw"), "{shown}");
+        assert!(shown.contains("app:***@db.local"), "{shown}");
+    }
+
+    #[test]
+    fn schema_names_are_checked() {
+        assert_eq!(PgConfig::new("x").quoted_schema().unwrap(), "\"idem\"");
+        for bad in ["", "Idem", "a-b", "x\"; drop table t; --", "1abc"] {
+            let res = PgConfig::new("x").schema(bad).quoted_schema();
+            assert!(matches!(res, Err(Error::Config { .. })), "{bad}: {res:?}");
+        }
+    }
+}

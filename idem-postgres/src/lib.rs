@@ -1,0 +1,13 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod backend;
+mod config;
+mod error;
+mod sql;
+mod transactional;
+
+pub use backend::PgBackend;
+pub use config::PgConfig;
+pub use transactional::{OffsetPosition, PgTransaction, StoredOffset};

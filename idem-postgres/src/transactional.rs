@@ -1,0 +1,189 @@
+//! Transactional mode: the handler's writes, the `Completed` record and the Kafka offset
+//! commit in one PostgreSQL transaction.
+
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use idem_core::{Backend, Claim, ClaimOutcome, Error, HandlerError, Lease, Outcome, Result};
+use sqlx::Row;
+
+use crate::backend::{PgBackend, check_fence, fenced, millis};
+use crate::error::map;
+
+/// The open transaction a transactional handler writes through.
+pub type PgTransaction = sqlx::Transaction<'static, sqlx::Postgres>;
+
+/// A Kafka message's position; transactional mode stores `offset + 1` as the group's next
+/// offset for the partition, in the same transaction as the record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffsetPosition {
+    /// The consumer group.
+    pub group: String,
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// The message's offset.
+    pub offset: i64,
+}
+
+/// A stored next offset, for seeking on partition assignment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredOffset {
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// The next offset to read.
+    pub next_offset: i64,
+}
+
+impl PgBackend {
+    /// Runs `handler` exactly once for `claim.key` as far as the database is concerned.
+    ///
+    /// 1. The claim runs on its own and commits, so the attempt counts even if what follows
+    ///    rolls back (a crash loop stays bounded by `max_attempts`). A key that is not
+    ///    claimable answers at once: `Replayed`, `InProgress`, `Poisoned`, `Mismatch`.
+    /// 2. A transaction opens; `handler` gets it and the lease, and writes through it.
+    /// 3. In the same transaction the record becomes `Completed` with the response (fenced
+    ///    by the lease's token; the row lock it takes is held until commit) and, if
+    ///    `offset` is given, the group's next offset is stored. Then COMMIT.
+    ///
+    /// A handler error or panic rolls everything back, then `fail` records the attempt in a
+    /// short transaction of its own. Dropping the returned future rolls back too; the key
+    /// stays `Processing` until its lease (`claim.lease_ttl`) lapses and a later claim takes
+    /// over. If a lease lapses while a slow handler still runs and another worker takes
+    /// over, both may run their handlers, but the token check under the row lock lets only
+    /// one transaction commit: the other is `Fenced` and rolled back.
+    ///
+    /// A replayed duplicate with `offset` given stores that offset as well, so the group's
+    /// position moves past duplicates.
+    pub async fn execute_in_transaction<F>(
+        &self,
+        claim: &Claim,
+        retention: Duration,
+        offset: Option<&OffsetPosition>,
+        handler: F,
+    ) -> Result<Outcome>
+    where
+        F: for<'t> FnOnce(
+                &'t mut PgTransaction,
+                Lease,
+            ) -> BoxFuture<'t, Result<Bytes, HandlerError>>
+            + Send,
+    {
+        let lease = match self.claim(claim).await? {
+            ClaimOutcome::Acquired(lease) => lease,
+            ClaimOutcome::Completed(bytes) => {
+                if let Some(at) = offset {
+                    self.store_offset(at).await?;
+                }
+                return Ok(Outcome::Replayed(bytes));
+            }
+            ClaimOutcome::InProgress { owner, lease_until } => {
+                return Ok(Outcome::InProgress { owner, lease_until });
+            }
+            ClaimOutcome::Poisoned { attempts, error } => {
+                return Ok(Outcome::Poisoned { attempts, error });
+            }
+            ClaimOutcome::Mismatch => return Ok(Outcome::Mismatch),
+        };
+        let mut tx = self.timed("begin", self.pool.begin()).await?;
+        let ran = AssertUnwindSafe(handler(&mut tx, lease.clone()))
+            .catch_unwind()
+            .await;
+        let failure = match ran {
+            Ok(Ok(response)) if response.len() > self.capabilities().max_response_bytes => {
+                HandlerError::permanent(Error::TooLarge {
+                    what: "response",
+                    size: response.len(),
+                    limit: self.capabilities().max_response_bytes,
+                })
+            }
+            Ok(Ok(response)) => return self.commit(tx, &lease, response, retention, offset).await,
+            Ok(Err(e)) => e,
+            Err(panic) => HandlerError::panicked(panic.as_ref()),
+        };
+        self.timed("rollback", tx.rollback()).await?;
+        let kind = failure.kind();
+        match self.fail(&lease, failure.message(), kind, retention).await {
+            Ok(()) => {}
+            Err(Error::Fenced { .. }) => return Ok(Outcome::Fenced),
+            Err(e) => return Err(e),
+        }
+        let error = failure.message().to_owned();
+        Ok(Outcome::after_failure(
+            lease.attempts,
+            claim.max_attempts,
+            kind,
+            error,
+        ))
+    }
+
+    async fn commit(
+        &self,
+        mut tx: PgTransaction,
+        lease: &Lease,
+        response: Bytes,
+        retention: Duration,
+        offset: Option<&OffsetPosition>,
+    ) -> Result<Outcome> {
+        let query = fenced(sqlx::query(self.sql.complete.sql()), lease)
+            .bind(response.as_ref())
+            .bind(millis(retention));
+        let done = self.timed("complete", query.execute(&mut *tx)).await?;
+        if check_fence(done.rows_affected(), lease).is_err() {
+            self.timed("rollback", tx.rollback()).await?;
+            return Ok(Outcome::Fenced);
+        }
+        if let Some(at) = offset {
+            let query = bind_offset(sqlx::query(self.sql.store_offset.sql()), at);
+            self.timed("store offset", query.execute(&mut *tx)).await?;
+        }
+        self.timed("commit", tx.commit()).await?;
+        Ok(Outcome::Executed(response))
+    }
+
+    /// Stores `offset + 1` as the group's next offset for the partition, on its own.
+    pub async fn store_offset(&self, at: &OffsetPosition) -> Result<()> {
+        let query = bind_offset(sqlx::query(self.sql.store_offset.sql()), at);
+        self.timed("store offset", query.execute(&self.pool))
+            .await?;
+        Ok(())
+    }
+
+    /// The next offsets stored for `group`, by topic and partition: where a consumer in
+    /// transactional mode seeks on assignment.
+    pub async fn stored_offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
+        let query = sqlx::query(self.sql.offsets.sql()).bind(group);
+        let rows = self
+            .timed("read offsets", query.fetch_all(&self.pool))
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(StoredOffset {
+                    topic: row.try_get("topic").map_err(|e| map("read offsets", e))?,
+                    partition: row
+                        .try_get("partition")
+                        .map_err(|e| map("read offsets", e))?,
+                    next_offset: row
+                        .try_get("next_offset")
+                        .map_err(|e| map("read offsets", e))?,
+                })
+            })
+            .collect()
+    }
+}
+
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+fn bind_offset<'q>(query: PgQuery<'q>, at: &'q OffsetPosition) -> PgQuery<'q> {
+    query
+        .bind(at.group.as_str())
+        .bind(at.topic.as_str())
+        .bind(at.partition)
+        .bind(at.offset.saturating_add(1))
+}
