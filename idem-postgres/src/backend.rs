@@ -56,6 +56,11 @@ impl PgBackend {
         })
     }
 
+    /// The schema holding idem's tables, as configured (unquoted).
+    pub fn schema(&self) -> &str {
+        self.schema.trim_matches('"')
+    }
+
     /// The pool, for the caller's own queries.
     pub fn pool(&self) -> &PgPool {
         &self.pool

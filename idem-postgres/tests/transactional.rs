@@ -1,0 +1,395 @@
+//! Transactional mode on a real PostgreSQL: the handler's writes, the record and the
+//! offset commit together or not at all.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use idem_core::{Backend, Claim, Fingerprint, HandlerError, Key, Outcome, State};
+use idem_postgres::{OffsetPosition, PgBackend, PgTransaction, StoredOffset};
+use sqlx::AssertSqlSafe;
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// A backend and a business table `ledger` in its schema.
+async fn setup() -> (PgBackend, String) {
+    let backend = common::backend().await;
+    let schema = backend.schema().to_owned();
+    let ledger = format!("\"{schema}\".ledger");
+    let create = format!("CREATE TABLE {ledger} (key text NOT NULL, by_task int NOT NULL)");
+    sqlx::query(AssertSqlSafe(create))
+        .execute(backend.pool())
+        .await
+        .expect("create ledger");
+    (backend, ledger)
+}
+
+fn claim(key: &Key, owner: &str, lease: Duration) -> Claim {
+    Claim {
+        key: key.clone(),
+        owner: owner.into(),
+        lease_ttl: lease,
+        fingerprint: Some(Fingerprint::of(b"payment")),
+        max_attempts: 3,
+        retention: HOUR,
+    }
+}
+
+async fn count(backend: &PgBackend, ledger: &str) -> i64 {
+    let q = format!("SELECT count(*) FROM {ledger}");
+    sqlx::query_scalar(AssertSqlSafe(q))
+        .fetch_one(backend.pool())
+        .await
+        .expect("count")
+}
+
+/// The handler: one business insert through the open transaction.
+fn insert(
+    ledger: String,
+    key: String,
+    task: i32,
+) -> impl for<'t> FnOnce(
+    &'t mut PgTransaction,
+    idem_core::Lease,
+) -> futures::future::BoxFuture<'t, Result<Bytes, HandlerError>>
++ Send {
+    move |tx, lease| {
+        async move {
+            let q = format!("INSERT INTO {ledger} (key, by_task) VALUES ($1, $2)");
+            sqlx::query(AssertSqlSafe(q))
+                .bind(key)
+                .bind(task)
+                .execute(&mut **tx)
+                .await?;
+            Ok(Bytes::from(format!("task {task} token {}", lease.token)))
+        }
+        .boxed()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_two_tasks_on_one_key_leave_exactly_one_row() {
+    let (backend, ledger) = setup().await;
+    let backend = Arc::new(backend);
+    let key = Key::new("tx", "order-1").expect("key");
+    let mut tasks = Vec::new();
+    for task in 0..32 {
+        let (backend, ledger, key) = (Arc::clone(&backend), ledger.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            let c = claim(&key, &format!("w{task}"), Duration::from_secs(10));
+            loop {
+                let h = insert(ledger.clone(), key.id().to_owned(), task);
+                match backend.execute_in_transaction(&c, HOUR, None, h).await {
+                    Ok(Outcome::InProgress { .. }) => tokio::task::yield_now().await,
+                    other => return other.expect("execute"),
+                }
+            }
+        }));
+    }
+    let mut executed = Vec::new();
+    let mut replayed = Vec::new();
+    for t in tasks {
+        match t.await.expect("task") {
+            Outcome::Executed(b) => executed.push(b),
+            Outcome::Replayed(b) => replayed.push(b),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(executed.len(), 1, "one transaction committed");
+    assert!(replayed.iter().all(|b| *b == executed[0]), "replays agree");
+    assert_eq!(
+        count(&backend, &ledger).await,
+        1,
+        "exactly one business row"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_error_leaves_no_row_no_completion_and_no_offset() {
+    let (backend, ledger) = setup().await;
+    let key = Key::new("tx", "declined").expect("key");
+    let at = OffsetPosition {
+        group: "g".into(),
+        topic: "payments".into(),
+        partition: 0,
+        offset: 41,
+    };
+    let out = backend
+        .execute_in_transaction(
+            &claim(&key, "a", Duration::from_secs(10)),
+            HOUR,
+            Some(&at),
+            |tx, _| {
+                let ledger = ledger.clone();
+                async move {
+                    let q = format!("INSERT INTO {ledger} (key, by_task) VALUES ('declined', 1)");
+                    sqlx::query(AssertSqlSafe(q)).execute(&mut **tx).await?;
+                    Err(HandlerError::retry("card declined"))
+                }
+                .boxed()
+            },
+        )
+        .await
+        .expect("execute");
+    assert_eq!(
+        out,
+        Outcome::Failed {
+            attempts: 1,
+            error: "card declined".into()
+        }
+    );
+    assert_eq!(count(&backend, &ledger).await, 0, "the insert rolled back");
+    assert_eq!(backend.stored_offsets("g").await.expect("offsets"), vec![]);
+    let rec = backend
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("attempt recorded");
+    assert_eq!((rec.state, rec.attempts), (State::Failed, 1));
+    assert_eq!(rec.error.as_deref(), Some("card declined"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_future_rolls_back_and_the_key_is_taken_over_later() {
+    let (backend, ledger) = setup().await;
+    let backend = Arc::new(backend);
+    let key = Key::new("tx", "dropped").expect("key");
+    let lease = Duration::from_millis(300);
+    let at = OffsetPosition {
+        group: "g".into(),
+        topic: "payments".into(),
+        partition: 3,
+        offset: 7,
+    };
+    let (inserted_tx, inserted) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn({
+        let (backend, ledger, key, at) = (
+            Arc::clone(&backend),
+            ledger.clone(),
+            key.clone(),
+            at.clone(),
+        );
+        async move {
+            backend
+                .execute_in_transaction(&claim(&key, "doomed", lease), HOUR, Some(&at), |tx, _| {
+                    async move {
+                        let q =
+                            format!("INSERT INTO {ledger} (key, by_task) VALUES ('dropped', 1)");
+                        sqlx::query(AssertSqlSafe(q)).execute(&mut **tx).await?;
+                        let _ = inserted_tx.send(());
+                        futures::future::pending::<()>().await;
+                        Ok(Bytes::new())
+                    }
+                    .boxed()
+                })
+                .await
+        }
+    });
+    inserted.await.expect("the handler inserted");
+    task.abort();
+    assert!(task.await.expect_err("aborted").is_cancelled());
+    assert_eq!(count(&backend, &ledger).await, 0, "no business row");
+    assert_eq!(backend.stored_offsets("g").await.expect("offsets"), vec![]);
+    let rec = backend
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("attempt counted");
+    assert_eq!(
+        (rec.state, rec.attempts),
+        (State::Processing, 1),
+        "not completed"
+    );
+
+    tokio::time::sleep(lease * 2).await; // the dead worker's lease must lapse
+    let out = backend
+        .execute_in_transaction(
+            &claim(&key, "next", lease),
+            HOUR,
+            Some(&at),
+            insert(ledger.clone(), "dropped".into(), 2),
+        )
+        .await
+        .expect("execute");
+    assert_eq!(out, Outcome::Executed(Bytes::from("task 2 token 2")));
+    assert_eq!(count(&backend, &ledger).await, 1);
+    let stored = backend.stored_offsets("g").await.expect("offsets");
+    assert_eq!(
+        stored,
+        vec![StoredOffset {
+            topic: "payments".into(),
+            partition: 3,
+            next_offset: 8
+        }]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stored_offset_is_the_one_after_the_last_committed_message() {
+    let (backend, ledger) = setup().await;
+    let at = |offset: i64| OffsetPosition {
+        group: "orders".into(),
+        topic: "payments".into(),
+        partition: 1,
+        offset,
+    };
+    let run = |id: &str, offset: i64, fail: bool| {
+        let (backend, ledger) = (&backend, ledger.clone());
+        let key = Key::new("tx", id).expect("key");
+        async move {
+            let c = claim(&key, "a", Duration::from_secs(10));
+            let at = at(offset);
+            if fail {
+                backend
+                    .execute_in_transaction(&c, HOUR, Some(&at), decline)
+                    .await
+            } else {
+                let h = insert(
+                    ledger,
+                    key.id().to_owned(),
+                    i32::try_from(offset).unwrap_or(0),
+                );
+                backend.execute_in_transaction(&c, HOUR, Some(&at), h).await
+            }
+        }
+    };
+    for offset in 0..5 {
+        let out = run(&format!("m{offset}"), offset, false)
+            .await
+            .expect("run");
+        assert!(matches!(out, Outcome::Executed(_)), "{out:?}");
+    }
+    let next = |n| {
+        vec![StoredOffset {
+            topic: "payments".into(),
+            partition: 1,
+            next_offset: n,
+        }]
+    };
+    assert_eq!(
+        backend.stored_offsets("orders").await.expect("offsets"),
+        next(5)
+    );
+    let out = run("m5", 5, true).await.expect("run");
+    assert!(matches!(out, Outcome::Failed { .. }), "{out:?}");
+    assert_eq!(
+        backend.stored_offsets("orders").await.expect("offsets"),
+        next(5),
+        "a failure does not move it"
+    );
+    let out = run("m2", 6, false).await.expect("run"); // a duplicate of offset 2, redelivered at 6
+    assert!(matches!(out, Outcome::Replayed(_)), "{out:?}");
+    assert_eq!(
+        backend.stored_offsets("orders").await.expect("offsets"),
+        next(7),
+        "a replay moves it"
+    );
+    assert_eq!(count(&backend, &ledger).await, 5);
+    assert_eq!(
+        backend
+            .stored_offsets("other group")
+            .await
+            .expect("offsets"),
+        vec![]
+    );
+}
+
+fn decline(
+    _: &mut PgTransaction,
+    _: idem_core::Lease,
+) -> futures::future::BoxFuture<'_, Result<Bytes, HandlerError>> {
+    async { Err(HandlerError::retry("no")) }.boxed()
+}
+
+/// Starts a transactional run whose handler inserts, then never returns; kills it (drops
+/// the future, as a killed process would) once the insert is done.
+async fn run_and_kill(backend: &Arc<PgBackend>, ledger: &str, c: Claim) {
+    let (inserted_tx, inserted) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn({
+        let (backend, ledger) = (Arc::clone(backend), ledger.to_owned());
+        async move {
+            backend
+                .execute_in_transaction(&c, HOUR, None, |tx, _| {
+                    async move {
+                        let q = format!("INSERT INTO {ledger} (key, by_task) VALUES ('k', 0)");
+                        sqlx::query(AssertSqlSafe(q)).execute(&mut **tx).await?;
+                        let _ = inserted_tx.send(());
+                        futures::future::pending::<()>().await;
+                        Ok(Bytes::new())
+                    }
+                    .boxed()
+                })
+                .await
+        }
+    });
+    inserted.await.expect("the handler inserted");
+    task.abort();
+    assert!(task.await.expect_err("killed").is_cancelled());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_loop_stays_bounded_by_max_attempts() {
+    let (backend, ledger) = setup().await;
+    let backend = Arc::new(backend);
+    let key = Key::new("tx", "crash-loop").expect("key");
+    let lease = Duration::from_millis(200);
+    for attempt in 1..=3 {
+        run_and_kill(
+            &backend,
+            &ledger,
+            claim(&key, &format!("w{attempt}"), lease),
+        )
+        .await;
+        let rec = backend.get(&key).await.expect("get").expect("record");
+        assert_eq!(rec.attempts, attempt, "each killed attempt counted");
+        tokio::time::sleep(lease + Duration::from_millis(50)).await; // let the lease lapse
+    }
+    let c = claim(&key, "last", lease);
+    let out = backend
+        .execute_in_transaction(&c, HOUR, None, insert(ledger.clone(), "k".into(), 9))
+        .await
+        .expect("execute");
+    assert_eq!(
+        out,
+        Outcome::Poisoned {
+            attempts: 3,
+            error: idem_core::machine::lapsed_error(3)
+        }
+    );
+    assert_eq!(
+        count(&backend, &ledger).await,
+        0,
+        "no killed attempt left a row"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_rolls_back_and_counts_as_a_failure() {
+    let (backend, ledger) = setup().await;
+    let key = Key::new("tx", "panic").expect("key");
+    let out = backend
+        .execute_in_transaction(
+            &claim(&key, "a", Duration::from_secs(10)),
+            HOUR,
+            None,
+            |tx, _| {
+                let ledger = ledger.clone();
+                async move {
+                    let q = format!("INSERT INTO {ledger} (key, by_task) VALUES ('panic', 1)");
+                    sqlx::query(AssertSqlSafe(q)).execute(&mut **tx).await?;
+                    panic!("bug in the handler");
+                }
+                .boxed()
+            },
+        )
+        .await
+        .expect("execute");
+    match out {
+        Outcome::Failed { attempts: 1, error } => assert!(error.contains("bug in the handler")),
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    assert_eq!(count(&backend, &ledger).await, 0);
+}
