@@ -1,0 +1,225 @@
+//! PostgreSQL: claim+complete, replay, contention, claim_many and transactional mode, each
+//! beside a raw baseline through the same pool in the same run.
+//!
+//! `eval "$(scripts/services up postgres)"; cargo bench -p benches --bench postgres`
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use futures::FutureExt;
+use futures::future::join_all;
+use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
+use idem_postgres::{OffsetPosition, PgBackend, PgConfig};
+
+const HOUR: Duration = Duration::from_secs(3600);
+const CONCURRENCY: u64 = 16;
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+fn claim(id: u64) -> Claim {
+    Claim {
+        key: Key::new("bench", id.to_string()).expect("key"),
+        owner: "bench".into(),
+        lease_ttl: Duration::from_secs(30),
+        fingerprint: Some(Fingerprint::of(b"payload")),
+        max_attempts: 5,
+        retention: HOUR,
+    }
+}
+
+fn fresh() -> u64 {
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+async fn setup(url: &str) -> PgBackend {
+    let config = PgConfig::new(url).schema("idem_bench").max_connections(32);
+    let backend = PgBackend::connect(config).await.expect("connect");
+    let pool = backend.pool().clone();
+    for stmt in [
+        "DROP SCHEMA IF EXISTS idem_bench CASCADE",
+        "CREATE SCHEMA idem_bench",
+    ] {
+        sqlx::query(stmt)
+            .execute(&pool)
+            .await
+            .expect("reset schema");
+    }
+    backend.migrate().await.expect("migrate");
+    for stmt in [
+        "CREATE TABLE idem_bench.raw (k text PRIMARY KEY, v bytea)",
+        "CREATE TABLE idem_bench.ledger (k text NOT NULL, cents int NOT NULL)",
+    ] {
+        sqlx::query(stmt)
+            .execute(&pool)
+            .await
+            .expect("create bench tables");
+    }
+    backend
+}
+
+fn postgres(c: &mut Criterion) {
+    let Ok(url) = std::env::var("IDEM_POSTGRES_URL") else {
+        println!(
+            "postgres bench skipped: IDEM_POSTGRES_URL is not set (eval \"$(scripts/services up)\")"
+        );
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let backend = Arc::new(rt.block_on(setup(&url)));
+    let pool = backend.pool().clone();
+    let body = Bytes::from_static(b"{\"receipt\":\"r-1\",\"ok\":true}");
+
+    let mut g = c.benchmark_group("postgres");
+    g.throughput(Throughput::Elements(CONCURRENCY));
+    g.bench_function("raw_insert_on_conflict", |b| {
+        b.to_async(&rt).iter(|| {
+            join_all((0..CONCURRENCY).map(|_| {
+                sqlx::query(
+                    "INSERT INTO idem_bench.raw (k, v) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                )
+                .bind(fresh().to_string())
+                .bind(body.as_ref())
+                .execute(&pool)
+                .map(|r| r.expect("raw insert"))
+            }))
+        })
+    });
+    g.bench_function("claim_complete", |b| {
+        b.to_async(&rt).iter(|| {
+            join_all((0..CONCURRENCY).map(|_| {
+                let (backend, body) = (Arc::clone(&backend), body.clone());
+                async move {
+                    let ClaimOutcome::Acquired(l) =
+                        backend.claim(&claim(fresh())).await.expect("claim")
+                    else {
+                        panic!("fresh key not acquired");
+                    };
+                    backend.complete(&l, body, HOUR).await.expect("complete");
+                }
+            }))
+        })
+    });
+    let done = claim(u64::MAX);
+    rt.block_on(async {
+        if let ClaimOutcome::Acquired(l) = backend.claim(&done).await.expect("claim") {
+            backend
+                .complete(&l, body.clone(), HOUR)
+                .await
+                .expect("complete");
+        }
+    });
+    g.bench_function("replay", |b| {
+        b.to_async(&rt).iter(|| {
+            join_all((0..CONCURRENCY).map(|_| backend.claim(&done).map(|r| r.expect("replay"))))
+        })
+    });
+    g.bench_function("contention_one_key", |b| {
+        b.to_async(&rt).iter(|| {
+            let id = fresh();
+            let backend = &backend;
+            join_all((0..CONCURRENCY).map(move |_| {
+                let backend = Arc::clone(backend);
+                async move { backend.claim(&claim(id)).await.expect("claim") }
+            }))
+        })
+    });
+    g.finish();
+
+    let mut g = c.benchmark_group("postgres_claim_many");
+    for batch in [1u64, 16, 128] {
+        g.throughput(Throughput::Elements(batch * 4));
+        g.bench_with_input(BenchmarkId::from_parameter(batch), &batch, |b, &batch| {
+            b.to_async(&rt).iter(|| {
+                join_all((0..4).map(|_| {
+                    let claims: Vec<Claim> = (0..batch).map(|_| claim(fresh())).collect();
+                    let backend = Arc::clone(&backend);
+                    async move { backend.claim_many(&claims).await.expect("claim_many") }
+                }))
+            })
+        });
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("postgres_transactional");
+    g.throughput(Throughput::Elements(CONCURRENCY));
+    g.bench_function("raw_transaction", |b| {
+        b.to_async(&rt).iter(|| {
+            join_all((0..CONCURRENCY).map(|_| {
+                let pool = pool.clone();
+                async move {
+                    let k = fresh().to_string();
+                    let mut tx = pool.begin().await.expect("begin");
+                    sqlx::query("INSERT INTO idem_bench.ledger (k, cents) VALUES ($1, 1999)")
+                        .bind(&k)
+                        .execute(&mut *tx)
+                        .await
+                        .expect("business insert");
+                    sqlx::query("INSERT INTO idem_bench.raw (k, v) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                        .bind(&k)
+                        .bind(&b"ok"[..])
+                        .execute(&mut *tx)
+                        .await
+                        .expect("record insert");
+                    sqlx::query(
+                        "INSERT INTO idem_bench.idem_offsets (consumer_group, topic, partition, next_offset) \
+                         VALUES ('raw', 't', 0, 1) ON CONFLICT (consumer_group, topic, partition) \
+                         DO UPDATE SET next_offset = excluded.next_offset",
+                    )
+                    .execute(&mut *tx)
+                    .await
+                    .expect("offset");
+                    tx.commit().await.expect("commit");
+                }
+            }))
+        })
+    });
+    g.bench_function("execute_in_transaction", |b| {
+        b.to_async(&rt).iter(|| {
+            join_all((0..CONCURRENCY).map(|p| {
+                let backend = Arc::clone(&backend);
+                async move {
+                    let c = claim(fresh());
+                    let at = OffsetPosition {
+                        group: "bench".into(),
+                        topic: "t".into(),
+                        partition: i32::try_from(p).unwrap_or(0),
+                        offset: 1,
+                    };
+                    let out = backend
+                        .execute_in_transaction(&c, HOUR, Some(&at), |tx, _| {
+                            async move {
+                                sqlx::query(
+                                    "INSERT INTO idem_bench.ledger (k, cents) VALUES ('x', 1999)",
+                                )
+                                .execute(&mut **tx)
+                                .await?;
+                                Ok(Bytes::from_static(b"ok"))
+                            }
+                            .boxed()
+                        })
+                        .await
+                        .expect("transactional");
+                    assert!(matches!(out, idem_core::Outcome::Executed(_)));
+                }
+            }))
+        })
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1))
+        .sample_size(20);
+    targets = postgres
+}
+criterion_main!(benches);
