@@ -3,55 +3,64 @@
 -- $6 max attempts, $7 retention (ms). The database clock now() decides; it is fixed for the
 -- whole statement, so every condition below sees the same instant.
 --
--- A claimable key (absent, expired, failed with attempts left, lapsed lease) is written and
--- returned with written = true; so is a lapsed lease with no attempts left, which turns
--- failed (claim_kind 'poisoned'). Any other key is returned as it stands, written = false,
--- and the client answers from it with idem_core::machine, using now_ms.
+-- `current` reads the keys without locking. A key that exists and is not claimable (a
+-- duplicate, a live lease, a poisoned key, another payload) is answered from that read:
+-- no row lock, no write, nothing to flush at commit. Only absent or claimable keys reach
+-- the INSERT … ON CONFLICT … DO UPDATE, which checks claimability again under the row lock.
+-- Written rows come back with written = true (a lapsed lease with no attempts left turns
+-- failed, claim_kind 'poisoned'); the others with written = false, and the client answers
+-- from them with idem_core::machine, using now_ms.
 WITH input AS (
-    SELECT *
+    SELECT namespace, id, owner, ttl_ms, fingerprint, greatest(max_attempts, 1) AS max_attempts,
+           retention_ms
     FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::bytea[], $6::int4[], $7::int8[])
-        AS i (namespace, id, owner, ttl_ms, fingerprint, max_attempts, retention_ms)
+        AS u (namespace, id, owner, ttl_ms, fingerprint, max_attempts, retention_ms)
+),
+current AS (
+    SELECT c.*
+    FROM input i
+    CROSS JOIN LATERAL (
+        SELECT * FROM {schema}.idem_records r WHERE r.namespace = i.namespace AND r.id = i.id
+    ) c
 ),
 claimed AS (
     INSERT INTO {schema}.idem_records AS r
         (namespace, id, state, owner, token, attempts, max_attempts, claim_kind, lease_until,
          fingerprint, response, error, permanent, expires_at, updated_at)
-    SELECT namespace, id, 'processing', owner, 1, 1, greatest(max_attempts, 1), 'first',
+    SELECT namespace, id, 'processing', owner, 1, 1, max_attempts, 'first',
            now() + ttl_ms * interval '1 millisecond', fingerprint, NULL, NULL, false,
            now() + (ttl_ms + retention_ms) * interval '1 millisecond', now()
-    FROM input
+    FROM input i
+    WHERE NOT EXISTS (
+        SELECT 1 FROM current c
+        WHERE c.namespace = i.namespace AND c.id = i.id AND NOT {claimable_current}
+    )
     ON CONFLICT (namespace, id) DO UPDATE SET
         state = CASE WHEN {poison} THEN 'failed' ELSE 'processing' END,
         owner = CASE WHEN {poison} THEN r.owner ELSE excluded.owner END,
-        token = CASE WHEN {expired} THEN 1 WHEN {poison} THEN r.token ELSE r.token + 1 END,
-        attempts = CASE WHEN {expired} THEN 1 WHEN {poison} THEN r.attempts
+        token = CASE WHEN {expired_r} THEN 1 WHEN {poison} THEN r.token ELSE r.token + 1 END,
+        attempts = CASE WHEN {expired_r} THEN 1 WHEN {poison} THEN r.attempts
                         ELSE r.attempts + 1 END,
         max_attempts = excluded.max_attempts,
-        claim_kind = CASE WHEN {expired} THEN 'first' WHEN {poison} THEN 'poisoned'
+        claim_kind = CASE WHEN {expired_r} THEN 'first' WHEN {poison} THEN 'poisoned'
                           WHEN r.state = 'failed' THEN 'retry' ELSE 'takeover' END,
         lease_until = CASE WHEN {poison} THEN NULL ELSE excluded.lease_until END,
-        fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
+        fingerprint = CASE WHEN {expired_r} THEN excluded.fingerprint ELSE r.fingerprint END,
         response = NULL,
         error = CASE WHEN {poison} THEN 'lease lapsed during attempt ' || r.attempts END,
         permanent = false,
         expires_at = CASE WHEN {poison} THEN now() + (excluded.expires_at - excluded.lease_until)
                           ELSE excluded.expires_at END,
         updated_at = now()
-    WHERE {expired}
-       OR ((r.fingerprint IS NULL OR excluded.fingerprint IS NULL
-            OR r.fingerprint = excluded.fingerprint)
-           AND ((r.state = 'failed' AND NOT r.permanent AND r.attempts < excluded.max_attempts)
-                OR {lapsed}))
+    WHERE {claimable_existing}
     RETURNING r.*
 ),
 answer AS (
-    SELECT true AS written, c.* FROM claimed c
+    SELECT true AS written, d.* FROM claimed d
     UNION ALL
-    SELECT false AS written, r.*
-    FROM {schema}.idem_records r
-    JOIN input i ON i.namespace = r.namespace AND i.id = r.id
-    WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.namespace = r.namespace AND c.id = r.id)
+    SELECT false AS written, c.* FROM current c
+    WHERE NOT EXISTS (SELECT 1 FROM claimed d WHERE d.namespace = c.namespace AND d.id = c.id)
 )
 SELECT written, {columns},
        floor(extract(epoch FROM now()) * 1000)::int8 AS now_ms
-FROM answer
+FROM answer {commit_mode}

@@ -16,7 +16,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use crate::config::PgConfig;
 use crate::error::map;
-use crate::sql::Statements;
+use crate::sql::{Statements, Stmt};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -113,7 +113,11 @@ impl PgBackend {
     /// nor found (a concurrent first insert committed after this statement's snapshot), or
     /// where the database and the state machine disagreed at a millisecond boundary: the
     /// caller asks again.
-    async fn claim_round(&self, claims: &[&Claim]) -> Result<Vec<Option<ClaimOutcome>>> {
+    async fn claim_round(
+        &self,
+        stmt: &Stmt,
+        claims: &[&Claim],
+    ) -> Result<Vec<Option<ClaimOutcome>>> {
         let mut ns = Vec::with_capacity(claims.len());
         let (mut ids, mut owners, mut ttls) = (Vec::new(), Vec::new(), Vec::new());
         let (mut fps, mut maxes, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
@@ -126,7 +130,7 @@ impl PgBackend {
             maxes.push(i32::try_from(c.max_attempts).unwrap_or(i32::MAX));
             retentions.push(millis(c.retention));
         }
-        let query = sqlx::query(self.sql.claim.sql())
+        let query = sqlx::query(stmt.sql())
             .bind(ns)
             .bind(ids)
             .bind(owners)
@@ -160,6 +164,44 @@ impl PgBackend {
             });
         }
         Ok(out)
+    }
+}
+
+impl PgBackend {
+    /// Claims with `stmt` (a claim statement), in rounds of distinct keys.
+    pub(crate) async fn claim_with(
+        &self,
+        stmt: &Stmt,
+        claims: &[Claim],
+    ) -> Result<Vec<ClaimOutcome>> {
+        let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
+        let mut pending: Vec<usize> = (0..claims.len()).collect();
+        for _ in 0..claims.len() + 16 {
+            if pending.is_empty() {
+                break;
+            }
+            let mut seen = HashSet::new();
+            let (round, mut rest): (Vec<usize>, Vec<usize>) =
+                pending.iter().partition(|&&i| seen.insert(&claims[i].key));
+            let batch: Vec<&Claim> = round.iter().map(|&i| &claims[i]).collect();
+            for (i, answer) in round.into_iter().zip(self.claim_round(stmt, &batch).await?) {
+                match answer {
+                    Some(answer) => answers[i] = Some(answer),
+                    None => rest.push(i),
+                }
+            }
+            rest.sort_unstable();
+            pending = rest;
+        }
+        answers
+            .into_iter()
+            .map(|a| {
+                a.ok_or_else(|| Error::Unavailable {
+                    message: "claim kept racing with concurrent first inserts; retry".into(),
+                    source: None,
+                })
+            })
+            .collect()
     }
 }
 
@@ -256,34 +298,7 @@ impl Backend for PgBackend {
     /// One statement per batch of distinct keys; a key repeated in the batch takes one more
     /// statement per repetition, so answers are those of claims made one after another.
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
-        let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
-        let mut pending: Vec<usize> = (0..claims.len()).collect();
-        for _ in 0..claims.len() + 16 {
-            if pending.is_empty() {
-                break;
-            }
-            let mut seen = HashSet::new();
-            let (round, mut rest): (Vec<usize>, Vec<usize>) =
-                pending.iter().partition(|&&i| seen.insert(&claims[i].key));
-            let batch: Vec<&Claim> = round.iter().map(|&i| &claims[i]).collect();
-            for (i, answer) in round.into_iter().zip(self.claim_round(&batch).await?) {
-                match answer {
-                    Some(answer) => answers[i] = Some(answer),
-                    None => rest.push(i),
-                }
-            }
-            rest.sort_unstable();
-            pending = rest;
-        }
-        answers
-            .into_iter()
-            .map(|a| {
-                a.ok_or_else(|| Error::Unavailable {
-                    message: "claim kept racing with concurrent first inserts; retry".into(),
-                    source: None,
-                })
-            })
-            .collect()
+        self.claim_with(&self.sql.claim, claims).await
     }
 
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {

@@ -12,10 +12,33 @@ const COLUMNS: &str = "namespace, id, state, owner, token, attempts, claim_kind,
 const LIVE: &str = "(expires_at IS NULL OR expires_at > now())";
 const HOLDS: &str = "state = 'processing' AND token = $3 AND owner = $4 \
     AND (expires_at IS NULL OR expires_at > now())";
-const POISON: &str = "(NOT {expired} AND {lapsed} AND r.attempts >= excluded.max_attempts)";
-const EXPIRED: &str = "(r.expires_at IS NOT NULL AND r.expires_at <= now())";
-const LAPSED: &str =
-    "(r.state = 'processing' AND (r.lease_until IS NULL OR r.lease_until <= now()))";
+
+/// Whether record `r` is past its retention.
+fn expired(r: &str) -> String {
+    format!("({r}.expires_at IS NOT NULL AND {r}.expires_at <= now())")
+}
+
+/// Whether record `r` is `Processing` under a lease that has lapsed.
+fn lapsed(r: &str) -> String {
+    format!("({r}.state = 'processing' AND ({r}.lease_until IS NULL OR {r}.lease_until <= now()))")
+}
+
+/// Whether record `r` may be claimed by claim `c` (which has `fingerprint` and a
+/// `max_attempts` of at least 1): the claimable cases of `idem_core::machine::claim`,
+/// including a lapsed lease with no attempts left, which the claim turns failed.
+fn claimable(r: &str, c: &str) -> String {
+    format!(
+        "({expired} OR (({r}.fingerprint IS NULL OR {c}.fingerprint IS NULL \
+         OR {r}.fingerprint = {c}.fingerprint) AND (({r}.state = 'failed' AND NOT {r}.permanent \
+         AND {r}.attempts < {c}.max_attempts) OR {lapsed})))",
+        expired = expired(r),
+        lapsed = lapsed(r),
+    )
+}
+
+/// Makes the claim's commit asynchronous (transactional mode; see `claim_async`).
+const ASYNC_COMMIT: &str =
+    ", (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode";
 
 /// One statement's text.
 #[derive(Debug, Clone)]
@@ -23,10 +46,16 @@ pub(crate) struct Stmt(Arc<str>);
 
 impl Stmt {
     fn new(template: &str, schema: &str) -> Self {
+        let poison = format!(
+            "(NOT {} AND {} AND r.attempts >= excluded.max_attempts)",
+            expired("r"),
+            lapsed("r")
+        );
         let text = template
-            .replace("{poison}", POISON)
-            .replace("{expired}", EXPIRED)
-            .replace("{lapsed}", LAPSED)
+            .replace("{poison}", &poison)
+            .replace("{expired_r}", &expired("r"))
+            .replace("{claimable_existing}", &claimable("r", "excluded"))
+            .replace("{claimable_current}", &claimable("c", "i"))
             .replace("{columns}", COLUMNS)
             .replace("{live}", LIVE)
             .replace("{holds}", HOLDS)
@@ -40,10 +69,17 @@ impl Stmt {
     }
 }
 
+const CLAIM: &str = include_str!("../sql/claim.sql");
+
 /// Every statement the backend runs.
 #[derive(Debug)]
 pub(crate) struct Statements {
     pub claim: Stmt,
+    /// The claim with an asynchronous commit, for transactional mode: the main
+    /// transaction's synchronous commit flushes the WAL past it anyway, so only a server
+    /// crash before that commit can lose it, and then the handler's work is lost too.
+    pub claim_async: Stmt,
+    pub complete_with_offset: Stmt,
     pub complete: Stmt,
     pub fail: Stmt,
     pub extend: Stmt,
@@ -60,7 +96,9 @@ impl Statements {
     pub fn new(schema: &str) -> Self {
         let s = |t: &str| Stmt::new(t, schema);
         Statements {
-            claim: s(include_str!("../sql/claim.sql")),
+            claim: s(&CLAIM.replace("{commit_mode}", "")),
+            claim_async: s(&CLAIM.replace("{commit_mode}", ASYNC_COMMIT)),
+            complete_with_offset: s(include_str!("../sql/complete_with_offset.sql")),
             complete: s(include_str!("../sql/complete.sql")),
             fail: s(include_str!("../sql/fail.sql")),
             extend: s(include_str!("../sql/extend.sql")),

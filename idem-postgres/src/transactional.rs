@@ -11,6 +11,7 @@ use idem_core::{Backend, Claim, ClaimOutcome, Error, HandlerError, Lease, Outcom
 use sqlx::Row;
 
 use crate::backend::{PgBackend, check_fence, fenced, millis};
+
 use crate::error::map;
 
 /// The open transaction a transactional handler writes through.
@@ -75,7 +76,12 @@ impl PgBackend {
             ) -> BoxFuture<'t, Result<Bytes, HandlerError>>
             + Send,
     {
-        let lease = match self.claim(claim).await? {
+        let answer = self
+            .claim_with(&self.sql.claim_async, std::slice::from_ref(claim))
+            .await?
+            .pop()
+            .ok_or_else(|| Error::corrupt("claim returned no answer"))?;
+        let lease = match answer {
             ClaimOutcome::Acquired(lease) => lease,
             ClaimOutcome::Completed(bytes) => {
                 if let Some(at) = offset {
@@ -131,17 +137,27 @@ impl PgBackend {
         retention: Duration,
         offset: Option<&OffsetPosition>,
     ) -> Result<Outcome> {
-        let query = fenced(sqlx::query(self.sql.complete.sql()), lease)
+        let (group, topic, partition, next) = match offset {
+            Some(at) => (
+                Some(at.group.as_str()),
+                Some(at.topic.as_str()),
+                Some(at.partition),
+                Some(at.offset.saturating_add(1)),
+            ),
+            None => (None, None, None, None),
+        };
+        let query = fenced(sqlx::query(self.sql.complete_with_offset.sql()), lease)
             .bind(response.as_ref())
-            .bind(millis(retention));
-        let done = self.timed("complete", query.execute(&mut *tx)).await?;
-        if check_fence(done.rows_affected(), lease).is_err() {
+            .bind(millis(retention))
+            .bind(group)
+            .bind(topic)
+            .bind(partition)
+            .bind(next);
+        let row = self.timed("complete", query.fetch_one(&mut *tx)).await?;
+        let completed: i64 = row.try_get("completed").map_err(|e| map("complete", e))?;
+        if check_fence(u64::try_from(completed).unwrap_or(0), lease).is_err() {
             self.timed("rollback", tx.rollback()).await?;
             return Ok(Outcome::Fenced);
-        }
-        if let Some(at) = offset {
-            let query = bind_offset(sqlx::query(self.sql.store_offset.sql()), at);
-            self.timed("store offset", query.execute(&mut *tx)).await?;
         }
         self.timed("commit", tx.commit()).await?;
         Ok(Outcome::Executed(response))
