@@ -12,7 +12,7 @@ struct Postgres;
 impl Factory for Postgres {
     type Backend = PgBackend;
     async fn setup(&self) -> Fixture<PgBackend> {
-        Fixture::real(common::backend().await, Duration::from_millis(500))
+        Fixture::real(common::backend().await, Duration::from_secs(1))
     }
 }
 
