@@ -151,10 +151,11 @@ fn postgres(c: &mut Criterion) {
     g.throughput(Throughput::Elements(CONCURRENCY));
     g.bench_function("raw_transaction", |b| {
         b.to_async(&rt).iter(|| {
-            join_all((0..CONCURRENCY).map(|_| {
+            join_all((0..CONCURRENCY).map(|p| {
                 let pool = pool.clone();
                 async move {
                     let k = fresh().to_string();
+                    let partition = i32::try_from(p).unwrap_or(0);
                     let mut tx = pool.begin().await.expect("begin");
                     sqlx::query("INSERT INTO idem_bench.ledger (k, cents) VALUES ($1, 1999)")
                         .bind(&k)
@@ -169,9 +170,10 @@ fn postgres(c: &mut Criterion) {
                         .expect("record insert");
                     sqlx::query(
                         "INSERT INTO idem_bench.idem_offsets (consumer_group, topic, partition, next_offset) \
-                         VALUES ('raw', 't', 0, 1) ON CONFLICT (consumer_group, topic, partition) \
+                         VALUES ('raw', 't', $1, 2) ON CONFLICT (consumer_group, topic, partition) \
                          DO UPDATE SET next_offset = excluded.next_offset",
                     )
+                    .bind(partition)
                     .execute(&mut *tx)
                     .await
                     .expect("offset");
