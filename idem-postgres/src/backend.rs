@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use idem_core::{
     Backend, Capabilities, Claim, ClaimKind, ClaimOutcome, Error, FailureKind, Fingerprint, Key,
     Lease, ListFilter, Record, Result, State, Timestamp, machine,
 };
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::config::PgConfig;
@@ -34,12 +35,16 @@ pub struct PgBackend {
 impl PgBackend {
     /// Connects a pool. Does not create tables: call [`PgBackend::migrate`] once.
     pub async fn connect(config: PgConfig) -> Result<Self> {
+        let what = format!("connect to {}", config.redacted_url());
+        let options = PgConnectOptions::from_str(&config.url)
+            .map_err(|e| map(&what, e))?
+            .application_name(&config.application_name);
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(config.connect_timeout)
-            .connect(&config.url)
+            .connect_with(options)
             .await
-            .map_err(|e| map(&format!("connect to {}", config.redacted_url()), e))?;
+            .map_err(|e| map(&what, e))?;
         Self::from_pool(pool, config)
     }
 

@@ -23,6 +23,8 @@ pub struct PgConfig {
     pub max_response_bytes: usize,
     /// Rows deleted per `purge_expired` batch (default 1,000).
     pub purge_batch: i64,
+    /// The `application_name` the connections report in `pg_stat_activity` (default `idem`).
+    pub application_name: String,
 }
 
 impl PgConfig {
@@ -35,6 +37,7 @@ impl PgConfig {
             connect_timeout: Duration::from_secs(5),
             max_response_bytes: 64 * 1024,
             purge_batch: 1000,
+            application_name: "idem".into(),
         }
     }
 
@@ -53,6 +56,12 @@ impl PgConfig {
     /// Sets the connect timeout.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
+        self
+    }
+
+    /// Sets the application name shown in `pg_stat_activity`.
+    pub fn application_name(mut self, name: impl Into<String>) -> Self {
+        self.application_name = name.into();
         self
     }
 
@@ -107,6 +116,7 @@ impl fmt::Debug for PgConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("max_response_bytes", &self.max_response_bytes)
             .field("purge_batch", &self.purge_batch)
+            .field("application_name", &self.application_name)
             .finish()
     }
 }

@@ -135,3 +135,40 @@ async fn an_oversized_response_is_refused_and_the_lease_still_holds() {
         .await
         .expect("at the limit");
 }
+
+#[tokio::test]
+async fn a_dropped_connection_is_unavailable_then_recovers() {
+    let app = common::fresh_schema(); // a name no other pool uses
+    let config = PgConfig::new(common::url()).application_name(app.clone());
+    let backend = PgBackend::connect(config).await.expect("connect");
+    let key = Key::new("ns", "dropped").expect("key");
+    let _ = backend.get(&key).await; // warm the pool (the default schema may not exist)
+    // Kill the server processes serving this pool, as a restart or a proxy would.
+    let killer = common::backend().await;
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(&app)
+    .fetch_all(killer.pool())
+    .await
+    .expect("terminate");
+    assert!(!killed.is_empty(), "the pool had a connection to kill");
+    let answer = backend.get(&key).await;
+    assert!(
+        matches!(
+            answer,
+            Err(Error::Unavailable { .. } | Error::Config { .. })
+        ),
+        "a dropped connection must be Unavailable, not {answer:?}"
+    );
+    // The pool replaces dead connections: the store answers again (Config: the default
+    // schema was never migrated, which is an answer from a live server).
+    let mut recovered = false;
+    for _ in 0..20 {
+        if let Err(Error::Config { .. }) = backend.get(&key).await {
+            recovered = true;
+            break;
+        }
+    }
+    assert!(recovered, "the backend never answered again");
+}
