@@ -42,6 +42,9 @@ impl PgBackend {
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(config.connect_timeout)
+            // No ping before every checkout: it doubles the round trips, and a dead
+            // connection surfaces as `Unavailable` on its next statement anyway.
+            .test_before_acquire(false)
             .connect_with(options)
             .await
             .map_err(|e| map(&what, e))?;
