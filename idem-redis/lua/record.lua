@@ -1,9 +1,14 @@
 -- Shared by every idem script (the backend puts it in front of each one): the server's
 -- clock, and reading and writing one record.
 --
--- A record is one hash. Fields: s state (p processing, c completed, f failed), o owner,
--- t token, n attempts, l lease_until (ms), x expires_at (ms), f fingerprint (32 bytes),
--- r response, e error, k permanent ("1"). Absent optional fields mean "none".
+-- A record is one string, a short ASCII header and then the variable parts, so that one
+-- GET reads it and one SET ... PXAT writes it and its expiry:
+--
+--   <s><t>,<n>,<l>,<x>,<k>,<#o>,<#f>,<#r>,<#e>;<o><f><r><e>
+--
+-- s state (p processing, c completed, f failed), t token, n attempts, l lease_until (ms,
+-- empty: none), x expires_at (ms), k permanent (0 or 1), then the byte lengths of o owner,
+-- f fingerprint (0: none, or 32), r response and e error (empty: none), then those bytes.
 -- The key expires natively one millisecond before x, so Redis drops it exactly when
 -- idem_core::machine::is_live turns false.
 
@@ -16,56 +21,48 @@ local function corrupt(key, why)
   error({ err = 'IDEMCORRUPT ' .. key .. ': ' .. why })
 end
 
-local KNOWN = { s = 1, o = 1, t = 1, n = 1, l = 1, x = 1, f = 1, r = 1, e = 1, k = 1 }
+local HEADER = '^([pcf])(%d+),(%d+),(%d*),(%d+),([01]),(%d+),(%d+),(%d*),(%d*);()'
 
--- A decimal field as a number: at most 15 digits, so it is exact in a Lua number.
-local function uint(key, name, text, required)
-  if text == nil then
-    if required then corrupt(key, 'missing field ' .. name) end
-    return nil
-  end
-  if #text > 15 or not string.match(text, '^%d+$') then
-    corrupt(key, 'field ' .. name .. ' is not a number')
-  end
+-- A decimal of at most 15 digits (exact in a Lua number); '' is nil when optional.
+local function num(key, text, optional)
+  if text == '' and optional then return nil end
+  if #text > 15 then corrupt(key, 'a number is too long') end
   return tonumber(text)
 end
 
--- The record at key, or nil if there is none or it expired at now. Anything that does not
--- decode is an IDEMCORRUPT error (a foreign type is WRONGTYPE), raised before any write.
-local function load(key, now)
-  local flat = redis.call('HGETALL', key)
-  if #flat == 0 then return nil end
-  local h = {}
-  for i = 1, #flat, 2 do
-    if KNOWN[flat[i]] == nil then corrupt(key, 'unknown field') end
-    h[flat[i]] = flat[i + 1]
-  end
-  if h.s ~= 'p' and h.s ~= 'c' and h.s ~= 'f' then corrupt(key, 'bad state') end
-  if h.o == nil then corrupt(key, 'missing field o') end
-  if h.f ~= nil and #h.f ~= 32 then corrupt(key, 'bad fingerprint') end
-  if h.k ~= nil and h.k ~= '1' then corrupt(key, 'bad permanent flag') end
-  local rec = {
-    s = h.s, o = h.o, f = h.f, r = h.r, e = h.e, k = h.k == '1',
-    t = uint(key, 't', h.t, true),
-    n = uint(key, 'n', h.n, true),
-    l = uint(key, 'l', h.l, false),
-    x = uint(key, 'x', h.x, true),
-  }
+-- The record v (what GET answered for key), or nil if there is none or it expired at now.
+-- Anything that does not decode is an IDEMCORRUPT error, raised before any write.
+local function decode(key, v, now)
+  if not v then return nil end
+  local s, t, n, l, x, k, lo, lf, lr, le, at = string.match(v, HEADER)
+  if not s then corrupt(key, 'not an idem record') end
+  lo, lf, lr, le = num(key, lo), num(key, lf), num(key, lr, true), num(key, le, true)
+  if lf ~= 0 and lf ~= 32 then corrupt(key, 'bad fingerprint length') end
+  if at - 1 + lo + lf + (lr or 0) + (le or 0) ~= #v then corrupt(key, 'bad length') end
+  local rec = { s = s, t = num(key, t), n = num(key, n), l = num(key, l, true),
+                x = num(key, x), k = k == '1' }
+  rec.o = string.sub(v, at, at + lo - 1)
+  at = at + lo
+  if lf == 32 then rec.f = string.sub(v, at, at + 31) end
+  at = at + lf
+  if lr then rec.r = string.sub(v, at, at + lr - 1); at = at + lr end
+  if le then rec.e = string.sub(v, at, at + le - 1) end
   if now >= rec.x then return nil end
   return rec
 end
 
+-- The record at key (see decode); a foreign type is a WRONGTYPE error.
+local function load(key, now)
+  return decode(key, redis.call('GET', key), now)
+end
+
 -- Replaces the record at key with rec and sets its expiry.
 local function save(key, rec)
-  local a = { 's', rec.s, 'o', rec.o, 't', rec.t, 'n', rec.n, 'x', rec.x }
-  if rec.l ~= nil then a[#a + 1] = 'l'; a[#a + 1] = rec.l end
-  if rec.f ~= nil then a[#a + 1] = 'f'; a[#a + 1] = rec.f end
-  if rec.r ~= nil then a[#a + 1] = 'r'; a[#a + 1] = rec.r end
-  if rec.e ~= nil then a[#a + 1] = 'e'; a[#a + 1] = rec.e end
-  if rec.k then a[#a + 1] = 'k'; a[#a + 1] = '1' end
-  redis.call('DEL', key)
-  redis.call('HSET', key, unpack(a))
-  redis.call('PEXPIREAT', key, rec.x - 1)
+  local f, r, e = rec.f or '', rec.r or '', rec.e or ''
+  local head = string.format('%s%d,%d,%s,%d,%s,%d,%d,%s,%s;', rec.s, rec.t, rec.n,
+    rec.l and string.format('%d', rec.l) or '', rec.x, rec.k and '1' or '0', #rec.o, #f,
+    rec.r and tostring(#r) or '', rec.e and tostring(#e) or '')
+  redis.call('SET', key, head .. rec.o .. f .. r .. e, 'PXAT', rec.x - 1)
 end
 
 -- machine::holds: the record is Processing with the lease's token and owner.

@@ -439,7 +439,7 @@ impl Backend for RedisBackend {
 
     async fn get(&self, key: &Key) -> Result<Option<Record>> {
         let mut conn = self.conn.clone();
-        let mut cmd = redis::cmd("HGETALL");
+        let mut cmd = redis::cmd("GET");
         cmd.arg(self.record_key(key));
         let reply: Value = self.call("get", cmd.query_async(&mut conn)).await?;
         decode_record(key, reply)
@@ -458,7 +458,7 @@ impl Backend for RedisBackend {
         Ok(0)
     }
 
-    /// `SCAN` under the prefix (on every primary of a cluster), a pipelined `HGETALL` per
+    /// `SCAN` under the prefix (on every primary of a cluster), a pipelined `GET` per
     /// page. Not a snapshot: records written during the scan may or may not appear.
     async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
         let layout = &self.shared.layout;
@@ -482,7 +482,7 @@ impl Backend for RedisBackend {
                             String::from_utf8_lossy(raw)
                         ))
                     })?;
-                    pipe.cmd("HGETALL").arg(raw);
+                    pipe.cmd("GET").arg(raw);
                     keys.push(key);
                 }
                 let mut conn = self.conn.clone();

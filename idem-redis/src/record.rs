@@ -1,5 +1,5 @@
-//! Decoding what Redis answers: a record hash (see `lua/record.lua` for its fields) and
-//! the claim script's reply. Anything that does not decode is [`Error::Corrupt`].
+//! Decoding what Redis answers: a record (the string format of `lua/record.lua`) and the
+//! claim script's reply. Anything that does not decode is [`Error::Corrupt`].
 
 use bytes::Bytes;
 use idem_core::{
@@ -8,114 +8,105 @@ use idem_core::{
 };
 use redis::Value;
 
-use crate::error::bad_reply;
+use crate::error::{bad_reply, from_redis};
 
-/// The record `HGETALL` returned for `key`; `None` when the hash is empty (no record).
+/// The record `GET` returned for `key`; `None` when there is none.
 pub(crate) fn decode_record(key: &Key, value: Value) -> Result<Option<Record>> {
-    let pairs: Vec<(Value, Value)> = match value {
-        Value::Nil => return Ok(None),
-        Value::ServerError(e) => return Err(crate::error::from_redis("get", e.into())),
-        Value::Map(pairs) => pairs,
-        Value::Array(flat) if flat.len() % 2 == 0 => {
-            let mut it = flat.into_iter();
-            std::iter::from_fn(|| Some((it.next()?, it.next()?))).collect()
+    match value {
+        Value::Nil => Ok(None),
+        Value::BulkString(raw) => decode(key, &raw)
+            .map(Some)
+            .map_err(|why| Error::corrupt(format!("record {key}: {why}"))),
+        Value::ServerError(e) => Err(from_redis("get", e.into())),
+        other => Err(bad_reply("get", format!("{other:?}"))),
+    }
+}
+
+/// `<s><t>,<n>,<l>,<x>,<k>,<#o>,<#f>,<#r>,<#e>;<o><f><r><e>`, as `lua/record.lua` writes it.
+fn decode(key: &Key, raw: &[u8]) -> Result<Record, &'static str> {
+    let end = raw
+        .iter()
+        .position(|&b| b == b';')
+        .ok_or("not an idem record")?;
+    let (head, mut body) = (&raw[..end], &raw[end + 1..]);
+    let (&state, head) = head.split_first().ok_or("not an idem record")?;
+    let state = match state {
+        b'p' => State::Processing,
+        b'c' => State::Completed,
+        b'f' => State::Failed,
+        _ => return Err("bad state"),
+    };
+    let parts: Vec<&[u8]> = head.split(|&b| b == b',').collect();
+    let [t, n, l, x, k, lo, lf, lr, le] = parts.as_slice() else {
+        return Err("not an idem record");
+    };
+    let num = |text: &[u8]| number(text).ok_or("a field is not a number");
+    let opt = |text: &[u8]| {
+        if text.is_empty() {
+            Ok(None)
+        } else {
+            num(text).map(Some)
         }
-        other => return Err(bad_reply("get", format!("{other:?}"))),
     };
-    if pairs.is_empty() {
-        return Ok(None);
+    let len = |n: u64| usize::try_from(n).map_err(|_| "bad length");
+    let permanent = match *k {
+        b"0" => false,
+        b"1" => true,
+        _ => return Err("bad permanent flag"),
+    };
+    let owner_len = len(num(lo)?)?;
+    let fp_len = len(num(lf)?)?;
+    let resp_len = opt(lr)?.map(len).transpose()?;
+    let err_len = opt(le)?.map(len).transpose()?;
+    if fp_len != 0 && fp_len != 32 {
+        return Err("bad fingerprint length");
     }
-    let bad = |why: &str| Error::corrupt(format!("record {key}: {why}"));
-    let mut fields = Fields::default();
-    for (name, value) in pairs {
-        let (Some(name), Some(value)) = (bytes(name), bytes(value)) else {
-            return Err(bad("a field is not a string"));
-        };
-        let slot = match name.as_slice() {
-            b"s" => &mut fields.s,
-            b"o" => &mut fields.o,
-            b"t" => &mut fields.t,
-            b"n" => &mut fields.n,
-            b"l" => &mut fields.l,
-            b"x" => &mut fields.x,
-            b"f" => &mut fields.f,
-            b"r" => &mut fields.r,
-            b"e" => &mut fields.e,
-            b"k" => &mut fields.k,
-            _ => return Err(bad("unknown field")),
-        };
-        *slot = Some(value);
+    let total = owner_len + fp_len + resp_len.unwrap_or(0) + err_len.unwrap_or(0);
+    if total != body.len() {
+        return Err("bad length");
     }
-    let state = match fields.s.as_deref() {
-        Some(b"p") => State::Processing,
-        Some(b"c") => State::Completed,
-        Some(b"f") => State::Failed,
-        _ => return Err(bad("bad state")),
+    let mut take = |n: usize| {
+        let (part, rest) = body.split_at(n);
+        body = rest;
+        part
     };
-    let text = |v: Vec<u8>, name: &str| {
-        String::from_utf8(v).map_err(|_| bad(&format!("field {name} is not UTF-8")))
+    let owner = String::from_utf8(take(owner_len).to_vec()).map_err(|_| "owner is not UTF-8")?;
+    let fingerprint = match take(fp_len).try_into() {
+        Ok(f) => Some(Fingerprint(f)),
+        Err(_) => None, // length 0
     };
-    let owner = text(fields.o.ok_or_else(|| bad("missing field o"))?, "o")?;
-    let fingerprint = match fields.f {
+    let response = resp_len.map(|n| Bytes::copy_from_slice(take(n)));
+    let error = match err_len {
         None => None,
-        Some(f) => Some(Fingerprint(
-            f.try_into().map_err(|_| bad("bad fingerprint"))?,
-        )),
+        Some(n) => Some(String::from_utf8(take(n).to_vec()).map_err(|_| "error is not UTF-8")?),
     };
-    let permanent = match fields.k.as_deref() {
-        None => false,
-        Some(b"1") => true,
-        Some(_) => return Err(bad("bad permanent flag")),
-    };
-    let required = |v: Option<Vec<u8>>, name: &str| {
-        number(v.as_deref()).ok_or_else(|| bad(&format!("field {name} is not a number")))
-    };
-    let optional = |v: Option<Vec<u8>>, name: &str| match v {
-        None => Ok(None),
-        some => required(some, name).map(Some),
-    };
-    Ok(Some(Record {
+    Ok(Record {
         key: key.clone(),
         state,
         owner,
-        token: required(fields.t, "t")?,
-        attempts: u32::try_from(required(fields.n, "n")?).map_err(|_| bad("too many attempts"))?,
-        lease_until: optional(fields.l, "l")?.map(Timestamp::from_millis),
+        token: num(t)?,
+        attempts: u32::try_from(num(n)?).map_err(|_| "too many attempts")?,
+        lease_until: opt(l)?.map(Timestamp::from_millis),
         fingerprint,
-        response: fields.r.map(Bytes::from),
-        error: fields.e.map(|e| text(e, "e")).transpose()?,
+        response,
+        error,
         permanent,
-        expires_at: Some(Timestamp::from_millis(required(fields.x, "x")?)),
-    }))
-}
-
-#[derive(Default)]
-struct Fields {
-    s: Option<Vec<u8>>,
-    o: Option<Vec<u8>>,
-    t: Option<Vec<u8>>,
-    n: Option<Vec<u8>>,
-    l: Option<Vec<u8>>,
-    x: Option<Vec<u8>>,
-    f: Option<Vec<u8>>,
-    r: Option<Vec<u8>>,
-    e: Option<Vec<u8>>,
-    k: Option<Vec<u8>>,
+        expires_at: Some(Timestamp::from_millis(num(x)?)),
+    })
 }
 
 /// A decimal of at most 15 digits, as the scripts accept it.
-fn number(text: Option<&[u8]>) -> Option<u64> {
-    let text = text?;
+fn number(text: &[u8]) -> Option<u64> {
     if text.is_empty() || text.len() > 15 || !text.iter().all(u8::is_ascii_digit) {
         return None;
     }
     std::str::from_utf8(text).ok()?.parse().ok()
 }
 
-fn bytes(value: Value) -> Option<Vec<u8>> {
+fn bytes(value: &Value) -> Option<&[u8]> {
     match value {
         Value::BulkString(b) => Some(b),
-        Value::SimpleString(s) => Some(s.into_bytes()),
+        Value::SimpleString(s) => Some(s.as_bytes()),
         _ => None,
     }
 }
@@ -133,16 +124,15 @@ fn millis(value: &Value) -> Option<Timestamp> {
 
 /// One answer of the claim script (see `lua/claim.lua` for its shape).
 pub(crate) fn decode_outcome(claim: &Claim, value: Value) -> Result<ClaimOutcome> {
-    let shown = format!("{value:?}");
-    decode_outcome_inner(claim, value).ok_or_else(|| bad_reply("claim", shown))
+    decode_outcome_inner(claim, &value).ok_or_else(|| bad_reply("claim", format!("{value:?}")))
 }
 
-fn decode_outcome_inner(claim: &Claim, value: Value) -> Option<ClaimOutcome> {
+fn decode_outcome_inner(claim: &Claim, value: &Value) -> Option<ClaimOutcome> {
     let Value::Array(items) = value else {
         return None;
     };
-    let mut items = items.into_iter();
-    let tag = int(&items.next()?)?;
+    let mut items = items.iter();
+    let tag = int(items.next()?)?;
     let out = match tag {
         1 => {
             let (token, attempts, until, kind) =
@@ -150,10 +140,10 @@ fn decode_outcome_inner(claim: &Claim, value: Value) -> Option<ClaimOutcome> {
             ClaimOutcome::Acquired(Lease {
                 key: claim.key.clone(),
                 owner: claim.owner.clone(),
-                token: u64::try_from(int(&token)?).ok()?,
-                attempts: u32::try_from(int(&attempts)?).ok()?,
-                lease_until: millis(&until)?,
-                kind: match int(&kind)? {
+                token: u64::try_from(int(token)?).ok()?,
+                attempts: u32::try_from(int(attempts)?).ok()?,
+                lease_until: millis(until)?,
+                kind: match int(kind)? {
                     0 => ClaimKind::First,
                     1 => ClaimKind::Retry,
                     2 => ClaimKind::Takeover,
@@ -161,15 +151,15 @@ fn decode_outcome_inner(claim: &Claim, value: Value) -> Option<ClaimOutcome> {
                 },
             })
         }
-        2 => ClaimOutcome::Completed(Bytes::from(bytes(items.next()?)?)),
+        2 => ClaimOutcome::Completed(Bytes::copy_from_slice(bytes(items.next()?)?)),
         3 => {
-            let owner = String::from_utf8(bytes(items.next()?)?).ok()?;
-            let lease_until = millis(&items.next()?)?;
+            let owner = String::from_utf8(bytes(items.next()?)?.to_vec()).ok()?;
+            let lease_until = millis(items.next()?)?;
             ClaimOutcome::InProgress { owner, lease_until }
         }
         4 => {
-            let attempts = u32::try_from(int(&items.next()?)?).ok()?;
-            let error = String::from_utf8(bytes(items.next()?)?).ok()?;
+            let attempts = u32::try_from(int(items.next()?)?).ok()?;
+            let error = String::from_utf8(bytes(items.next()?)?.to_vec()).ok()?;
             ClaimOutcome::Poisoned { attempts, error }
         }
         5 => ClaimOutcome::Mismatch,
@@ -186,79 +176,46 @@ mod tests {
         Key::new("ns", "id").unwrap()
     }
 
-    fn hash(fields: &[(&str, &[u8])]) -> Value {
-        Value::Array(
-            fields
-                .iter()
-                .flat_map(|(k, v)| {
-                    [
-                        Value::BulkString(k.as_bytes().to_vec()),
-                        Value::BulkString(v.to_vec()),
-                    ]
-                })
-                .collect(),
-        )
+    fn string(raw: &[u8]) -> Value {
+        Value::BulkString(raw.to_vec())
     }
 
     #[test]
-    fn decodes_a_completed_record() {
-        let rec = decode_record(
-            &key(),
-            hash(&[
-                ("s", b"c"),
-                ("o", b"w"),
-                ("t", b"3"),
-                ("n", b"2"),
-                ("x", b"1700000000000"),
-                ("r", b"\xff\x00"),
-            ]),
-        )
-        .unwrap()
-        .unwrap();
+    fn decodes_records() {
+        let rec = decode_record(&key(), string(b"c3,2,,1700000000000,0,1,0,2,;w\xff\x00"))
+            .unwrap()
+            .unwrap();
         assert_eq!(rec.state, State::Completed);
-        assert_eq!((rec.token, rec.attempts), (3, 2));
+        assert_eq!((rec.owner.as_str(), rec.token, rec.attempts), ("w", 3, 2));
         assert_eq!(rec.response, Some(Bytes::from_static(b"\xff\x00")));
-        assert_eq!(rec.lease_until, None);
-        assert_eq!(decode_record(&key(), Value::Array(vec![])).unwrap(), None);
+        assert_eq!(
+            (rec.lease_until, rec.error, rec.fingerprint),
+            (None, None, None)
+        );
+        let fp = [7u8; 32];
+        let mut raw = b"f1,1,,99,1,2,32,,3;a;".to_vec();
+        raw.extend_from_slice(&fp);
+        raw.extend_from_slice(b"e,r");
+        let rec = decode_record(&key(), string(&raw)).unwrap().unwrap();
+        assert_eq!(rec.owner, "a;");
+        assert_eq!(rec.fingerprint, Some(Fingerprint(fp)));
+        assert_eq!((rec.error.as_deref(), rec.permanent), (Some("e,r"), true));
+        assert_eq!(decode_record(&key(), Value::Nil).unwrap(), None);
     }
 
     #[test]
     fn refuses_what_does_not_decode() {
-        let good: &[(&str, &[u8])] = &[("s", b"p"), ("o", b"w"), ("t", b"1"), ("n", b"1")];
         for bad in [
-            hash(good), // no x
-            hash(&[
-                ("s", b"z"),
-                ("o", b"w"),
-                ("t", b"1"),
-                ("n", b"1"),
-                ("x", b"5"),
-            ]),
-            hash(&[
-                ("s", b"p"),
-                ("o", b"w"),
-                ("t", b"+1"),
-                ("n", b"1"),
-                ("x", b"5"),
-            ]),
-            hash(&[
-                ("s", b"p"),
-                ("o", b"w"),
-                ("t", b"1"),
-                ("n", b"1"),
-                ("x", b"5"),
-                ("f", b"short"),
-            ]),
-            hash(&[
-                ("s", b"p"),
-                ("o", b"w"),
-                ("t", b"1"),
-                ("n", b"1"),
-                ("x", b"5"),
-                ("zz", b"1"),
-            ]),
+            string(b"hello"),
+            string(b"z1,1,,5,0,1,0,,;w"),
+            string(b"p1,1,,5,0,2,0,,;w"),
+            string(b"p+1,1,,5,0,1,0,,;w"),
+            string(b"p1,1,,5,2,1,0,,;w"),
+            string(b"p1,1,,5,0,1,3,,;wabc"),
+            string(b"p1,1,,9999999999999999,0,1,0,,;w"),
+            string(b"p1,1,,5,0,1,0,,,;w"),
             Value::Int(5),
-            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![]),
         ] {
             let res = decode_record(&key(), bad.clone());
             assert!(

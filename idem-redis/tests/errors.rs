@@ -114,106 +114,57 @@ async fn all_corrupt(backend: &RedisBackend, key: &Key, what: &str) {
     assert_corrupt(what, backend.list(&filter).await);
 }
 
-#[tokio::test]
-async fn a_foreign_string_under_the_prefix_is_corrupt() {
-    let backend = connect(standalone_config()).await;
+/// Writes `value` (the command's arguments after the key) at `key`'s record with `command`.
+async fn plant(backend: &RedisBackend, key: &Key, command: &str, value: &[&[u8]]) {
     let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
-    let k = key("foreign");
-    let _: () = redis::cmd("SET")
-        .arg(backend.record_key(&k))
-        .arg("not a record")
+    let _: () = redis::cmd(command)
+        .arg(backend.record_key(key))
+        .arg(value)
         .query_async(&mut conn)
         .await
-        .expect("set");
-    all_corrupt(&backend, &k, "plain string").await;
-    assert!(backend.delete(&k).await.expect("delete"));
-    let lease = backend.claim(&claim(&k, "w")).await.expect("claim");
-    assert!(matches!(lease, ClaimOutcome::Acquired(l) if l.token == 1));
+        .expect("plant a foreign value");
 }
-
-/// A hash field and its value.
-type Field = (&'static str, &'static [u8]);
 
 #[tokio::test]
-async fn garbage_hashes_are_corrupt() {
+async fn malformed_records_are_corrupt() {
     let backend = connect(standalone_config()).await;
-    let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
-    let far: &'static str = "99999999999999";
-    let cases: [(&str, Vec<Field>); 6] = [
-        ("unknown fields", vec![("foo", b"bar")]),
-        (
-            "bad state",
-            vec![
-                ("s", b"x"),
-                ("o", b"w"),
-                ("t", b"1"),
-                ("n", b"1"),
-                ("x", far.as_bytes()),
-            ],
-        ),
-        (
-            "bad token",
-            vec![
-                ("s", b"p"),
-                ("o", b"w"),
-                ("t", b"0x1"),
-                ("n", b"1"),
-                ("x", far.as_bytes()),
-            ],
-        ),
-        (
-            "missing expiry",
-            vec![("s", b"c"), ("o", b"w"), ("t", b"1"), ("n", b"1")],
-        ),
-        (
-            "short fingerprint",
-            vec![
-                ("s", b"p"),
-                ("o", b"w"),
-                ("t", b"1"),
-                ("n", b"1"),
-                ("x", far.as_bytes()),
-                ("f", b"abc"),
-            ],
-        ),
-        (
-            "huge number",
-            vec![
-                ("s", b"p"),
-                ("o", b"w"),
-                ("t", b"1"),
-                ("n", b"1"),
-                ("x", b"99999999999999999999"),
-            ],
-        ),
+    let far = "99999999999999";
+    let cases: [(&str, String); 7] = [
+        ("no header", "hello".into()),
+        ("bad state", format!("z1,1,,{far},0,1,0,,;w")),
+        ("bad token", format!("p0x1,1,,{far},0,1,0,,;w")),
+        ("missing expiry", "c1,1,,,0,1,0,0,;w".into()),
+        ("short fingerprint", format!("p1,1,,{far},0,1,3,,;wabc")),
+        ("lengths disagree", format!("c1,1,,{far},0,1,0,9,;wok")),
+        ("huge number", "p1,1,,99999999999999999999,0,1,0,,;w".into()),
     ];
-    for (what, fields) in cases {
-        let k = key("garbage");
-        let _: () = redis::cmd("HSET")
-            .arg(backend.record_key(&k))
-            .arg(fields)
-            .query_async(&mut conn)
-            .await
-            .expect("hset");
+    for (what, value) in cases {
+        let k = key("malformed");
+        plant(&backend, &k, "SET", &[value.as_bytes()]).await;
         all_corrupt(&backend, &k, what).await;
     }
+    let k = key("hash");
+    plant(&backend, &k, "HSET", &[b"s", b"c", b"o", b"w"]).await;
+    all_corrupt(&backend, &k, "a hash").await;
+    assert!(backend.delete(&k).await.expect("delete"));
+    let again = backend.claim(&claim(&k, "w")).await.expect("claim");
+    assert!(matches!(again, ClaimOutcome::Acquired(l) if l.token == 1));
 }
 
-/// A corrupt record fails a whole batch before anything is written.
+/// A corrupt record fails a whole batch before anything is written, whether it is a string
+/// that does not decode or a value of another type (which `MGET` reads as nil).
 #[tokio::test]
 async fn a_corrupt_record_in_a_batch_writes_nothing() {
     let backend = connect(standalone_config()).await;
-    let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
-    let (fresh, bad) = (key("fresh"), key("bad"));
-    let _: () = redis::cmd("SET")
-        .arg(backend.record_key(&bad))
-        .arg("x")
-        .query_async(&mut conn)
-        .await
-        .expect("set");
-    let batch = [claim(&fresh, "w"), claim(&bad, "w")];
-    assert_corrupt("batch", backend.claim_many(&batch).await);
-    assert_eq!(backend.get(&fresh).await.expect("get"), None);
+    let cases: [(&str, &[&[u8]]); 2] = [("SET", &[b"not a record"]), ("HSET", &[b"f", b"v"])];
+    for (command, value) in cases {
+        let (fresh, bad) = (key("fresh"), key("bad"));
+        plant(&backend, &bad, command, value).await;
+        let batch = [claim(&fresh, "w"), claim(&bad, "w"), claim(&fresh, "v")];
+        assert_corrupt(command, backend.claim_many(&batch).await);
+        assert_eq!(backend.get(&fresh).await.expect("get"), None, "{command}");
+        assert_corrupt(command, backend.get(&bad).await);
+    }
 }
 
 #[tokio::test]
