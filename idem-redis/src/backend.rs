@@ -272,24 +272,42 @@ impl RedisBackend {
 }
 
 fn single_client(config: &RedisConfig) -> Result<redis::Client> {
-    #[cfg(feature = "tls")]
-    install_crypto_provider();
     let url = config.nodes().first().map_or("", String::as_str);
+    #[cfg(feature = "tls")]
+    {
+        install_crypto_provider();
+        if let Some(certs) = tls_certificates(config) {
+            return redis::Client::build_with_tls(url, certs).map_err(|e| config_error(config, e));
+        }
+    }
     redis::Client::open(url).map_err(|e| config_error(config, e))
 }
 
 fn cluster_client(config: &RedisConfig) -> Result<ClusterClient> {
-    #[cfg(feature = "tls")]
-    install_crypto_provider();
     let limit = config.timeout();
-    ClusterClient::builder(config.nodes().iter().map(String::as_str))
+    let builder = ClusterClient::builder(config.nodes().iter().map(String::as_str))
         .connection_timeout(limit)
         .response_timeout(limit)
         .retries(2)
         .min_retry_wait(10)
-        .max_retry_wait(limit.as_millis().try_into().unwrap_or(u64::MAX))
-        .build()
-        .map_err(|e| config_error(config, e))
+        .max_retry_wait(limit.as_millis().try_into().unwrap_or(u64::MAX));
+    #[cfg(feature = "tls")]
+    let builder = {
+        install_crypto_provider();
+        match tls_certificates(config) {
+            Some(certs) => builder.certs(certs),
+            None => builder,
+        }
+    };
+    builder.build().map_err(|e| config_error(config, e))
+}
+
+#[cfg(feature = "tls")]
+fn tls_certificates(config: &RedisConfig) -> Option<redis::TlsCertificates> {
+    config.tls_root_cert().map(|pem| redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem.to_vec()),
+    })
 }
 
 /// rustls needs a process-wide crypto provider; install ring's unless one is set.

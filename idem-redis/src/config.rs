@@ -15,6 +15,8 @@ pub struct RedisConfig {
     prefix: String,
     timeout: Duration,
     max_response_bytes: usize,
+    #[cfg(feature = "tls")]
+    tls_root_cert: Option<Vec<u8>>,
 }
 
 impl RedisConfig {
@@ -32,6 +34,8 @@ impl RedisConfig {
             prefix: Self::DEFAULT_PREFIX.to_owned(),
             timeout: Self::DEFAULT_TIMEOUT,
             max_response_bytes: Capabilities::default().max_response_bytes,
+            #[cfg(feature = "tls")]
+            tls_root_cert: None,
         }
     }
 
@@ -83,6 +87,22 @@ impl RedisConfig {
         self
     }
 
+    /// Trusts the certificate authorities in `pem` (PEM certificates) for `rediss://`
+    /// instead of the system's and webpki's roots: for servers with a private CA.
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    pub fn with_tls_root_cert(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root_cert = Some(pem.into());
+        self
+    }
+
+    /// The private CA certificates given to [`RedisConfig::with_tls_root_cert`], if any.
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    pub fn tls_root_cert(&self) -> Option<&[u8]> {
+        self.tls_root_cert.as_deref()
+    }
+
     /// The node URLs.
     pub fn nodes(&self) -> &[String] {
         &self.nodes
@@ -129,13 +149,15 @@ impl RedisConfig {
 impl fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let nodes: Vec<String> = self.nodes.iter().map(|n| redact(n)).collect();
-        f.debug_struct("RedisConfig")
-            .field("nodes", &nodes)
+        let mut f = f.debug_struct("RedisConfig");
+        f.field("nodes", &nodes)
             .field("cluster", &self.cluster)
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
-            .field("max_response_bytes", &self.max_response_bytes)
-            .finish()
+            .field("max_response_bytes", &self.max_response_bytes);
+        #[cfg(feature = "tls")]
+        f.field("tls_root_cert", &self.tls_root_cert.as_ref().map(|_| "set"));
+        f.finish()
     }
 }
 
