@@ -12,22 +12,18 @@ use idem_core::{
     Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
     Result, Timestamp,
 };
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_routing::Slot;
-use redis::{RedisResult, Script, Value};
+use redis::{RedisResult, Script, ScriptInvocation, Value};
 
 use crate::RedisConfig;
-use crate::conn::{Conn, Node};
-use crate::error::{bad_reply, from_redis, timed_out};
+use crate::conn::{Conn, within};
+use crate::error::bad_reply;
 use crate::keys::Layout;
 use crate::record::{decode_outcome, decode_record};
 
 /// Durations are sent in milliseconds, at most about a century, so that every deadline
 /// stays exact in the scripts' numbers.
 const MAX_MILLIS: u64 = 100 * 365 * 24 * 3600 * 1000;
-/// Keys asked for per `SCAN` step in `list`.
-const SCAN_COUNT: usize = 512;
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis())
@@ -56,9 +52,9 @@ impl Scripts {
     }
 }
 
-struct Shared {
-    config: RedisConfig,
-    layout: Layout,
+pub(crate) struct Shared {
+    pub(crate) config: RedisConfig,
+    pub(crate) layout: Layout,
     scripts: Scripts,
 }
 
@@ -69,8 +65,8 @@ struct Shared {
 /// Redis expires records itself. Cloning is cheap and shares the connection.
 #[derive(Clone)]
 pub struct RedisBackend {
-    conn: Conn,
-    shared: Arc<Shared>,
+    pub(crate) conn: Conn,
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl fmt::Debug for RedisBackend {
@@ -86,17 +82,7 @@ impl RedisBackend {
     /// not answer, [`Error::Config`] if the configuration is unusable.
     pub async fn connect(config: RedisConfig) -> Result<Self> {
         config.validate()?;
-        let limit = config.timeout();
-        let conn = if config.is_cluster() {
-            let client = cluster_client(&config)?;
-            let cfg = cluster_config(limit);
-            let connect = client.get_async_connection_with_config(cfg);
-            Conn::Cluster(within("connect", limit, connect).await?)
-        } else {
-            let client = single_client(&config)?;
-            let connect = ConnectionManager::new_with_config(client, manager_config(limit));
-            Conn::Single(within("connect", limit, connect).await?)
-        };
+        let conn = Conn::connect(&config).await?;
         Ok(Self::with_conn(config, conn))
     }
 
@@ -105,19 +91,7 @@ impl RedisBackend {
     /// [`Error::Unavailable`] until it answers. Needs a running tokio runtime.
     pub fn connect_lazy(config: RedisConfig) -> Result<Self> {
         config.validate()?;
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::config("connect_lazy needs a running tokio runtime"));
-        }
-        let limit = config.timeout();
-        let conn = if config.is_cluster() {
-            let client = cluster_client(&config)?;
-            Conn::Cluster(client.get_pending_async_connection_with_config(cluster_config(limit)))
-        } else {
-            let client = single_client(&config)?;
-            let manager = ConnectionManager::new_lazy_with_config(client, manager_config(limit))
-                .map_err(|e| config_error(&config, e))?;
-            Conn::Single(manager)
-        };
+        let conn = Conn::connect_lazy(&config)?;
         Ok(Self::with_conn(config, conn))
     }
 
@@ -144,7 +118,11 @@ impl RedisBackend {
     }
 
     /// Runs `fut` within the configured timeout, mapping its error.
-    async fn call<T>(&self, what: &str, fut: impl Future<Output = RedisResult<T>>) -> Result<T> {
+    pub(crate) async fn call<T>(
+        &self,
+        what: &str,
+        fut: impl Future<Output = RedisResult<T>>,
+    ) -> Result<T> {
         within(what, self.shared.config.timeout(), fut).await
     }
 
@@ -191,174 +169,28 @@ impl RedisBackend {
         groups
     }
 
-    /// A fencing script's reply: `fenced` says which answers mean the lease is not held.
+    /// Runs a fencing script for `lease` (KEYS: the record; ARGV: token, owner, then what
+    /// `args` adds) and returns its integer reply.
+    async fn fencing(
+        &self,
+        what: &str,
+        script: &Script,
+        lease: &Lease,
+        args: impl FnOnce(&mut ScriptInvocation<'_>),
+    ) -> Result<i64> {
+        let mut inv = script.key(self.record_key(&lease.key));
+        inv.arg(lease.token).arg(&lease.owner);
+        args(&mut inv);
+        let mut conn = self.conn.clone();
+        self.call(what, inv.invoke_async(&mut conn)).await
+    }
+
+    /// The error of a fencing call whose lease no longer holds the record.
     fn fenced(lease: &Lease) -> Error {
         Error::Fenced {
             key: lease.key.clone(),
             token: lease.token,
         }
-    }
-
-    /// The primaries of a cluster, each once; `[None]` standalone.
-    async fn scan_nodes(&self) -> Result<Vec<Option<Node>>> {
-        if !matches!(self.conn, Conn::Cluster(_)) {
-            return Ok(vec![None]);
-        }
-        let mut conn = self.conn.clone();
-        let mut cmd = redis::cmd("CLUSTER");
-        cmd.arg("SLOTS");
-        let reply = self.call("list", conn.query_on(None, cmd)).await?;
-        let mut nodes: Vec<Option<Node>> = Vec::new();
-        let Value::Array(ranges) = reply else {
-            return Err(bad_reply("CLUSTER SLOTS", format!("{reply:?}")));
-        };
-        for range in ranges {
-            let node = match range {
-                Value::Array(parts) => match parts.get(2) {
-                    Some(Value::Array(primary)) => match (primary.first(), primary.get(1)) {
-                        (Some(Value::BulkString(host)), Some(Value::Int(port))) => {
-                            let host = String::from_utf8_lossy(host).into_owned();
-                            u16::try_from(*port).ok().map(|port| (host, port))
-                        }
-                        _ => None,
-                    },
-                    _ => None,
-                },
-                _ => None,
-            };
-            let node =
-                node.ok_or_else(|| bad_reply("CLUSTER SLOTS", "a range without a primary"))?;
-            if !nodes.contains(&Some(node.clone())) {
-                nodes.push(Some(node));
-            }
-        }
-        Ok(nodes)
-    }
-
-    /// One `SCAN` step on `node`: the next cursor and the keys found.
-    async fn scan(
-        &self,
-        node: Option<&Node>,
-        cursor: u64,
-        pattern: &str,
-    ) -> Result<(u64, Vec<Vec<u8>>)> {
-        let mut cmd = redis::cmd("SCAN");
-        cmd.arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(SCAN_COUNT);
-        let mut conn = self.conn.clone();
-        let reply = self.call("list", conn.query_on(node, cmd)).await?;
-        let parsed = match &reply {
-            Value::Array(parts) => match (parts.first(), parts.get(1)) {
-                (Some(Value::BulkString(c)), Some(Value::Array(keys))) => {
-                    let cursor = std::str::from_utf8(c).ok().and_then(|c| c.parse().ok());
-                    let keys: Option<Vec<Vec<u8>>> = keys
-                        .iter()
-                        .map(|k| match k {
-                            Value::BulkString(k) => Some(k.clone()),
-                            _ => None,
-                        })
-                        .collect();
-                    cursor.zip(keys)
-                }
-                _ => None,
-            },
-            _ => None,
-        };
-        parsed.ok_or_else(|| bad_reply("SCAN", format!("{reply:?}")))
-    }
-}
-
-fn single_client(config: &RedisConfig) -> Result<redis::Client> {
-    let url = config.nodes().first().map_or("", String::as_str);
-    #[cfg(feature = "tls")]
-    {
-        install_crypto_provider();
-        if let Some(certs) = tls_certificates(config) {
-            return redis::Client::build_with_tls(url, certs).map_err(|e| config_error(config, e));
-        }
-    }
-    redis::Client::open(url).map_err(|e| config_error(config, e))
-}
-
-fn cluster_client(config: &RedisConfig) -> Result<ClusterClient> {
-    let limit = config.timeout();
-    let builder = ClusterClient::builder(config.nodes().iter().map(String::as_str))
-        .connection_timeout(limit)
-        .response_timeout(limit)
-        .retries(2)
-        .min_retry_wait(10)
-        .max_retry_wait(limit.as_millis().try_into().unwrap_or(u64::MAX));
-    #[cfg(feature = "tls")]
-    let builder = {
-        install_crypto_provider();
-        match tls_certificates(config) {
-            Some(certs) => builder.certs(certs),
-            None => builder,
-        }
-    };
-    builder.build().map_err(|e| config_error(config, e))
-}
-
-#[cfg(feature = "tls")]
-fn tls_certificates(config: &RedisConfig) -> Option<redis::TlsCertificates> {
-    config.tls_root_cert().map(|pem| redis::TlsCertificates {
-        client_tls: None,
-        root_cert: Some(pem.to_vec()),
-    })
-}
-
-/// rustls needs a process-wide crypto provider; install ring's unless one is set.
-#[cfg(feature = "tls")]
-fn install_crypto_provider() {
-    if rustls::crypto::CryptoProvider::get_default().is_none() {
-        // Losing a race with another installer is fine: a provider is then set.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    }
-}
-
-fn manager_config(limit: Duration) -> ConnectionManagerConfig {
-    ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(limit))
-        .set_response_timeout(Some(limit))
-        .set_number_of_retries(1)
-        .set_min_delay(Duration::from_millis(10))
-        .set_max_delay(limit)
-}
-
-fn cluster_config(limit: Duration) -> ClusterConfig {
-    ClusterConfig::new()
-        .set_connection_timeout(limit)
-        .set_response_timeout(limit)
-}
-
-/// A URL the driver refuses; the message names the URLs with passwords hidden.
-fn config_error(config: &RedisConfig, err: redis::RedisError) -> Error {
-    let shown: Vec<String> = config
-        .nodes()
-        .iter()
-        .map(|n| crate::config::redact(n))
-        .collect();
-    Error::Config {
-        message: format!(
-            "Redis URL refused ({}): {}",
-            shown.join(", "),
-            err.category()
-        ),
-        source: Some(Box::new(err)),
-    }
-}
-
-async fn within<T>(
-    what: &str,
-    limit: Duration,
-    fut: impl Future<Output = RedisResult<T>>,
-) -> Result<T> {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(res) => res.map_err(|e| from_redis(what, e)),
-        Err(elapsed) => Err(timed_out(what, limit, elapsed)),
     }
 }
 
@@ -401,17 +233,11 @@ impl Backend for RedisBackend {
                 limit,
             });
         }
-        let mut conn = self.conn.clone();
-        let mut inv = self
-            .shared
-            .scripts
-            .complete
-            .key(self.record_key(&lease.key));
-        inv.arg(lease.token)
-            .arg(&lease.owner)
-            .arg(&response[..])
-            .arg(millis(retention));
-        let done: i64 = self.call("complete", inv.invoke_async(&mut conn)).await?;
+        let done = self
+            .fencing("complete", &self.shared.scripts.complete, lease, |inv| {
+                inv.arg(&response[..]).arg(millis(retention));
+            })
+            .await?;
         if done == 1 {
             Ok(())
         } else {
@@ -426,18 +252,16 @@ impl Backend for RedisBackend {
         kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        let mut conn = self.conn.clone();
-        let mut inv = self.shared.scripts.fail.key(self.record_key(&lease.key));
-        inv.arg(lease.token)
-            .arg(&lease.owner)
-            .arg(error)
-            .arg(if kind == FailureKind::Permanent {
-                "1"
-            } else {
-                "0"
+        let permanent = if kind == FailureKind::Permanent {
+            "1"
+        } else {
+            "0"
+        };
+        let done = self
+            .fencing("fail", &self.shared.scripts.fail, lease, |inv| {
+                inv.arg(error).arg(permanent).arg(millis(retention));
             })
-            .arg(millis(retention));
-        let done: i64 = self.call("fail", inv.invoke_async(&mut conn)).await?;
+            .await?;
         if done == 1 {
             Ok(())
         } else {
@@ -446,10 +270,11 @@ impl Backend for RedisBackend {
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
-        let mut conn = self.conn.clone();
-        let mut inv = self.shared.scripts.extend.key(self.record_key(&lease.key));
-        inv.arg(lease.token).arg(&lease.owner).arg(millis(ttl));
-        let until: i64 = self.call("extend", inv.invoke_async(&mut conn)).await?;
+        let until = self
+            .fencing("extend", &self.shared.scripts.extend, lease, |inv| {
+                inv.arg(millis(ttl));
+            })
+            .await?;
         u64::try_from(until)
             .map(Timestamp::from_millis)
             .map_err(|_| Self::fenced(lease))
@@ -479,53 +304,7 @@ impl Backend for RedisBackend {
     /// `SCAN` under the prefix (on every primary of a cluster), a pipelined `GET` per
     /// page. Not a snapshot: records written during the scan may or may not appear.
     async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
-        let layout = &self.shared.layout;
-        let pattern = layout.pattern(filter.namespace.as_deref());
-        let limit = if filter.limit == 0 {
-            usize::MAX
-        } else {
-            filter.limit
-        };
-        let mut out = Vec::new();
-        for node in self.scan_nodes().await? {
-            let mut cursor = 0;
-            loop {
-                let (next, raw_keys) = self.scan(node.as_ref(), cursor, &pattern).await?;
-                let mut keys = Vec::with_capacity(raw_keys.len());
-                let mut pipe = redis::pipe();
-                for raw in &raw_keys {
-                    let key = layout.parse(raw).ok_or_else(|| {
-                        Error::corrupt(format!(
-                            "a key under the prefix is not an idem key: {}",
-                            String::from_utf8_lossy(raw)
-                        ))
-                    })?;
-                    pipe.cmd("GET").arg(raw);
-                    keys.push(key);
-                }
-                let mut conn = self.conn.clone();
-                let replies = if keys.is_empty() {
-                    Vec::new()
-                } else {
-                    self.call("list", conn.pipe_on(node.as_ref(), pipe)).await?
-                };
-                for (key, reply) in keys.iter().zip(replies) {
-                    if let Some(rec) = decode_record(key, reply)? {
-                        if filter.matches(&rec) {
-                            out.push(rec);
-                            if out.len() >= limit {
-                                return Ok(out);
-                            }
-                        }
-                    }
-                }
-                cursor = next;
-                if cursor == 0 {
-                    break;
-                }
-            }
-        }
-        Ok(out)
+        self.scan_records(filter).await
     }
 
     fn capabilities(&self) -> Capabilities {

@@ -8,6 +8,7 @@ mod config;
 mod conn;
 mod error;
 mod keys;
+mod list;
 mod record;
 
 pub use backend::RedisBackend;
