@@ -65,7 +65,12 @@ local function save(key, rec)
   redis.call('SET', key, head .. rec.o .. f .. r .. e, 'PXAT', rec.x - 1)
 end
 
--- machine::holds: the record is Processing with the lease's token and owner.
-local function holds(rec, token, owner)
-  return rec ~= nil and rec.s == 'p' and rec.t == token and rec.o == owner
+-- machine::holds for the fencing scripts (KEYS[1] the record, ARGV[1] the lease's token,
+-- ARGV[2] its owner): the record if it is Processing with that token and owner, else nil.
+local function held(now)
+  local rec = load(KEYS[1], now)
+  if rec ~= nil and rec.s == 'p' and rec.t == tonumber(ARGV[1]) and rec.o == ARGV[2] then
+    return rec
+  end
+  return nil
 end
