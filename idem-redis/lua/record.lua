@@ -30,9 +30,10 @@ local function num(key, text, optional)
   return tonumber(text)
 end
 
--- The record v (what GET answered for key), or nil if there is none or it expired at now.
--- Anything that does not decode is an IDEMCORRUPT error, raised before any write.
-local function decode(key, v, now)
+-- The record at key, or nil if there is none or it expired at now. A value of another type
+-- is a WRONGTYPE error, a string that does not decode an IDEMCORRUPT one.
+local function load(key, now)
+  local v = redis.call('GET', key)
   if not v then return nil end
   local s, t, n, l, x, k, lo, lf, lr, le, at = string.match(v, HEADER)
   if not s then corrupt(key, 'not an idem record') end
@@ -49,11 +50,6 @@ local function decode(key, v, now)
   if le then rec.e = string.sub(v, at, at + le - 1) end
   if now >= rec.x then return nil end
   return rec
-end
-
--- The record at key (see decode); a foreign type is a WRONGTYPE error.
-local function load(key, now)
-  return decode(key, redis.call('GET', key), now)
 end
 
 -- Replaces the record at key with rec and sets its expiry.
