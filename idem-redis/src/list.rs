@@ -9,7 +9,7 @@ use crate::error::bad_reply;
 use crate::record::decode_record;
 
 /// Keys asked for per `SCAN` step.
-const SCAN_COUNT: usize = 512;
+const SCAN_COUNT: usize = 1000;
 
 impl RedisBackend {
     /// [`Backend::list`](idem_core::Backend::list): `SCAN` under the prefix on every node

@@ -107,6 +107,11 @@ async fn all_corrupt(backend: &RedisBackend, key: &Key, what: &str) {
     let fail = backend.fail(&lease, "e", FailureKind::Retry, HOUR).await;
     assert_corrupt(what, fail);
     assert_corrupt(what, backend.extend(&lease, HOUR).await);
+}
+
+/// `list` over `key`'s namespace answers `Corrupt` (it walks the whole keyspace: keep to a
+/// few calls).
+async fn list_corrupt(backend: &RedisBackend, key: &Key, what: &str) {
     let filter = ListFilter {
         namespace: Some(key.namespace().to_owned()),
         ..ListFilter::default()
@@ -138,14 +143,18 @@ async fn malformed_records_are_corrupt() {
         ("lengths disagree", format!("c1,1,,{far},0,1,0,9,;wok")),
         ("huge number", "p1,1,,99999999999999999999,0,1,0,,;w".into()),
     ];
-    for (what, value) in cases {
+    for (i, (what, value)) in cases.into_iter().enumerate() {
         let k = key("malformed");
         plant(&backend, &k, "SET", &[value.as_bytes()]).await;
         all_corrupt(&backend, &k, what).await;
+        if i == 0 {
+            list_corrupt(&backend, &k, what).await;
+        }
     }
     let k = key("hash");
     plant(&backend, &k, "HSET", &[b"s", b"c", b"o", b"w"]).await;
     all_corrupt(&backend, &k, "a hash").await;
+    list_corrupt(&backend, &k, "a hash").await;
     assert!(backend.delete(&k).await.expect("delete"));
     let again = backend.claim(&claim(&k, "w")).await.expect("claim");
     assert!(matches!(again, ClaimOutcome::Acquired(l) if l.token == 1));
