@@ -8,3 +8,7 @@ pub use idem_core::*;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idem_postgres as postgres;
+
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use idem_redis as redis;

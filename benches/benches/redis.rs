@@ -1,0 +1,373 @@
+//! The Redis backend against raw commands through the same client, at the same
+//! concurrency, in one run: claim+complete against `SET NX PX` then `SET`, and batched
+//! claims against unpipelined `SET`. Throughput is messages (or raw cycles) per second.
+//!
+//! `IDEM_REDIS_URL=redis://127.0.0.1:6379/ cargo bench -p benches --bench redis`
+//! Without `IDEM_REDIS_URL` it prints one line and skips.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use criterion::{Criterion, Throughput, criterion_group};
+use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
+use idem_redis::{RedisBackend, RedisConfig};
+use redis::aio::ConnectionManager;
+
+/// Tasks issuing requests at once, for the backend and the raw baselines alike.
+const CONCURRENCY: u64 = 16;
+/// Short, so that the keys a run creates do not pile up in the server.
+const RETENTION: Duration = Duration::from_secs(60);
+const LEASE: Duration = Duration::from_secs(30);
+
+fn url() -> Option<String> {
+    std::env::var("IDEM_REDIS_URL")
+        .ok()
+        .filter(|u| !u.trim().is_empty())
+}
+
+/// Fresh ids for every run and call.
+struct Ids {
+    run: String,
+    next: AtomicU64,
+}
+
+impl Ids {
+    fn new() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        Ids {
+            run: format!("bench-{nanos:x}"),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    fn take(&self, n: u64) -> u64 {
+        self.next.fetch_add(n, Ordering::Relaxed)
+    }
+
+    fn key(&self, id: u64) -> Key {
+        Key::new(self.run.clone(), id.to_string()).expect("key")
+    }
+
+    fn raw(&self, id: u64) -> String {
+        format!("raw:{}:{id}", self.run)
+    }
+}
+
+fn claim(key: Key) -> Claim {
+    Claim {
+        key,
+        owner: "bench".into(),
+        lease_ttl: LEASE,
+        fingerprint: Some(Fingerprint::of(b"payload")),
+        max_attempts: 5,
+        retention: RETENTION,
+    }
+}
+
+/// Runs `iters` calls of `op` (given the call's number) on `CONCURRENCY` tasks that take
+/// the next number until `iters` are done; returns the wall time.
+async fn spread<F, Fut>(iters: u64, op: F) -> Duration
+where
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let op = Arc::new(op);
+    let next = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CONCURRENCY)
+        .map(|_| {
+            let (op, next) = (Arc::clone(&op), Arc::clone(&next));
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= iters {
+                        break;
+                    }
+                    op(i).await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("task");
+    }
+    start.elapsed()
+}
+
+/// What the server reports: per command `(calls, usec)`, and its CPU seconds so far.
+struct ServerStats {
+    commands: HashMap<String, (u64, u64)>,
+    cpu: f64,
+    at: Instant,
+}
+
+async fn server_stats(raw: &mut ConnectionManager) -> ServerStats {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .arg("cpu")
+        .query_async(raw)
+        .await
+        .expect("INFO");
+    let mut commands = HashMap::new();
+    let mut cpu = 0.0;
+    for line in info.lines() {
+        if let Some(rest) = line.strip_prefix("cmdstat_") {
+            let (name, fields) = rest.split_once(':').unwrap_or((rest, ""));
+            let field = |f: &str| {
+                fields
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(f))
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            commands.insert(name.to_owned(), (field("calls="), field("usec=")));
+        } else if let Some(v) = line
+            .strip_prefix("used_cpu_user:")
+            .or_else(|| line.strip_prefix("used_cpu_sys:"))
+        {
+            cpu += v.trim().parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    ServerStats {
+        commands,
+        cpu,
+        at: Instant::now(),
+    }
+}
+
+/// Prints where the server's time went between two snapshots: its CPU use, and the
+/// average time per call of each command it ran (nested script calls included).
+fn print_server(name: &str, before: &ServerStats, after: &ServerStats) {
+    let wall = after.at.duration_since(before.at).as_secs_f64();
+    let mut line = format!(
+        "  server during {name}: {:.0}% of a core;",
+        100.0 * (after.cpu - before.cpu) / wall
+    );
+    let mut rows: Vec<_> = after
+        .commands
+        .iter()
+        .filter_map(|(cmd, (calls, usec))| {
+            let (c0, u0) = before.commands.get(cmd).copied().unwrap_or((0, 0));
+            let calls = calls.saturating_sub(c0);
+            (calls > 1000 && cmd != "info").then(|| (cmd.clone(), calls, usec.saturating_sub(u0)))
+        })
+        .collect();
+    if rows.is_empty() {
+        return; // filtered out of this run
+    }
+    rows.sort();
+    for (cmd, calls, usec) in rows {
+        line.push_str(&format!(
+            " {cmd} {:.2} us/call,",
+            usec as f64 / calls as f64
+        ));
+    }
+    println!("{}", line.trim_end_matches(','));
+}
+
+/// `g.bench_function(name, f)`, then the server's side of it.
+macro_rules! measured {
+    ($g:expr, $stats:expr, $raw:expr, $name:expr, $f:expr) => {{
+        let name = $name;
+        let before = $stats($raw);
+        $g.bench_function(name.clone(), $f);
+        print_server(&name, &before, &$stats($raw));
+    }};
+}
+
+fn redis_benches(c: &mut Criterion) {
+    let Some(url) = url() else { return };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let backend = rt
+        .block_on(RedisBackend::connect(RedisConfig::new(&url)))
+        .expect("connect the backend");
+    let raw: ConnectionManager = rt
+        .block_on(async {
+            let client = redis::Client::open(url.as_str())?;
+            ConnectionManager::new(client).await
+        })
+        .expect("connect the raw client");
+    let ids = Arc::new(Ids::new());
+    let response = Bytes::from_static(b"{\"status\":\"charged\",\"receipt\":\"r-000042\"}");
+    let px = RETENTION.as_millis() as u64;
+
+    let stats = |raw: &ConnectionManager| {
+        let mut raw = raw.clone();
+        rt.block_on(async move { server_stats(&mut raw).await })
+    };
+    let mut g = c.benchmark_group(format!("redis_c{CONCURRENCY}"));
+    g.throughput(Throughput::Elements(1));
+
+    measured!(
+        g,
+        stats,
+        &raw,
+        String::from("raw_set_nx_px_then_set"),
+        |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (raw, ids) = (raw.clone(), Arc::clone(&ids));
+                let base = ids.take(iters);
+                spread(iters, move |i| {
+                    let (mut raw, key) = (raw.clone(), ids.raw(base + i));
+                    async move {
+                        let set: Option<String> = redis::cmd("SET")
+                            .arg(&key)
+                            .arg("processing")
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(px)
+                            .query_async(&mut raw)
+                            .await
+                            .expect("SET NX PX");
+                        assert!(set.is_some(), "fresh key taken");
+                        let _: () = redis::cmd("SET")
+                            .arg(&key)
+                            .arg("completed")
+                            .arg("PX")
+                            .arg(px)
+                            .query_async(&mut raw)
+                            .await
+                            .expect("SET");
+                    }
+                })
+            })
+        }
+    );
+
+    measured!(g, stats, &raw, String::from("raw_set"), |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (raw, ids) = (raw.clone(), Arc::clone(&ids));
+            spread(iters, move |i| {
+                let (mut raw, key) = (raw.clone(), ids.raw(i % 10_000));
+                async move {
+                    let _: () = redis::cmd("SET")
+                        .arg(&key)
+                        .arg("v")
+                        .query_async(&mut raw)
+                        .await
+                        .expect("SET");
+                }
+            })
+        })
+    });
+
+    measured!(g, stats, &raw, String::from("claim_complete"), |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (backend, ids, response) = (backend.clone(), Arc::clone(&ids), response.clone());
+            let base = ids.take(iters);
+            spread(iters, move |i| {
+                let (backend, c, response) =
+                    (backend.clone(), claim(ids.key(base + i)), response.clone());
+                async move {
+                    let ClaimOutcome::Acquired(lease) = backend.claim(&c).await.expect("claim")
+                    else {
+                        panic!("fresh key not acquired");
+                    };
+                    backend
+                        .complete(&lease, response, RETENTION)
+                        .await
+                        .expect("complete");
+                }
+            })
+        })
+    });
+
+    let done = claim(ids.key(ids.take(1)));
+    rt.block_on(async {
+        let ClaimOutcome::Acquired(lease) = backend.claim(&done).await.expect("claim") else {
+            panic!("fresh key not acquired");
+        };
+        backend
+            .complete(&lease, response.clone(), Duration::from_secs(3600))
+            .await
+            .expect("complete");
+    });
+    measured!(g, stats, &raw, String::from("replay"), |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (backend, done) = (backend.clone(), done.clone());
+            spread(iters, move |_| {
+                let (backend, done) = (backend.clone(), done.clone());
+                async move {
+                    let answer = backend.claim(&done).await.expect("claim");
+                    assert!(matches!(answer, ClaimOutcome::Completed(_)));
+                }
+            })
+        })
+    });
+
+    // Each element is one race: CONCURRENCY claims of one fresh key at once, one wins.
+    measured!(g, stats, &raw, String::from("contention_one_key"), |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (backend, ids) = (backend.clone(), Arc::clone(&ids));
+            let base = ids.take(iters);
+            async move {
+                let start = Instant::now();
+                for i in 0..iters {
+                    let key = ids.key(base + i);
+                    let racers = (0..CONCURRENCY).map(|_| {
+                        let (backend, c) = (backend.clone(), claim(key.clone()));
+                        tokio::spawn(async move { backend.claim(&c).await })
+                    });
+                    let mut won = 0;
+                    for r in racers.collect::<Vec<_>>() {
+                        if let ClaimOutcome::Acquired(_) = r.await.expect("task").expect("claim") {
+                            won += 1;
+                        }
+                    }
+                    assert_eq!(won, 1);
+                }
+                start.elapsed()
+            }
+        })
+    });
+
+    for batch in [1u64, 16, 128] {
+        g.throughput(Throughput::Elements(batch));
+        measured!(g, stats, &raw, format!("claim_many_{batch}"), |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (backend, ids) = (backend.clone(), Arc::clone(&ids));
+                let base = ids.take(iters * batch);
+                spread(iters, move |i| {
+                    let claims: Vec<Claim> = (0..batch)
+                        .map(|j| claim(ids.key(base + i * batch + j)))
+                        .collect();
+                    let backend = backend.clone();
+                    async move {
+                        let answers = backend.claim_many(&claims).await.expect("claim_many");
+                        assert!(matches!(answers[0], ClaimOutcome::Acquired(_)));
+                    }
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1));
+    targets = redis_benches
+}
+
+fn main() {
+    if url().is_none() {
+        println!(
+            "redis bench skipped: IDEM_REDIS_URL is not set (eval \"$(scripts/services up redis)\")"
+        );
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -1,0 +1,15 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod backend;
+mod config;
+mod conn;
+mod error;
+mod keys;
+mod list;
+mod record;
+
+pub use backend::RedisBackend;
+pub use config::RedisConfig;

@@ -1,0 +1,128 @@
+//! Helpers shared by the test files: backends on the configured servers, raw clients to
+//! write foreign values, and a private `redis-server` a test may stop and restart.
+
+#![allow(dead_code)] // each test file uses a part
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use conformance::service_env;
+use idem_core::{Claim, Fingerprint, Key};
+use idem_redis::{RedisBackend, RedisConfig};
+
+pub const HOUR: Duration = Duration::from_secs(3600);
+
+pub fn standalone_config() -> RedisConfig {
+    RedisConfig::new(service_env("IDEM_REDIS_URL"))
+}
+
+pub fn cluster_config() -> RedisConfig {
+    let urls = service_env("IDEM_REDIS_CLUSTER_URL");
+    RedisConfig::cluster(urls.split(',').map(str::trim))
+}
+
+pub async fn connect(config: RedisConfig) -> RedisBackend {
+    RedisBackend::connect(config).await.expect("connect")
+}
+
+/// A plain connection for writing what idem would not.
+pub async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection")
+}
+
+/// A plain cluster connection.
+pub async fn raw_cluster() -> redis::cluster_async::ClusterConnection {
+    let urls = service_env("IDEM_REDIS_CLUSTER_URL");
+    redis::cluster::ClusterClient::new(urls.split(',').map(str::trim).collect::<Vec<_>>())
+        .expect("urls")
+        .get_async_connection()
+        .await
+        .expect("raw cluster connection")
+}
+
+/// A claim of `key` by `owner` with a 10 s lease.
+pub fn claim(key: &Key, owner: &str) -> Claim {
+    Claim {
+        key: key.clone(),
+        owner: owner.to_owned(),
+        lease_ttl: Duration::from_secs(10),
+        fingerprint: Some(Fingerprint::of(b"p")),
+        max_attempts: 3,
+        retention: HOUR,
+    }
+}
+
+/// A loopback port nothing listens on (bound, then released).
+pub fn closed_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
+
+/// A `redis-server` of this test's own on a free loopback port, killed on drop.
+pub struct PrivateServer {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl PrivateServer {
+    pub async fn start() -> Self {
+        let mut server = PrivateServer {
+            port: closed_port(),
+            child: None,
+        };
+        server.restart().await;
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Starts the server (again) on the same port and waits until it answers.
+    pub async fn restart(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect(
+                "redis-server is not installed: run `eval \"$(scripts/services up)\"`, \
+                 which installs it",
+            );
+        self.child = Some(child);
+        let client = redis::Client::open(self.url()).expect("url");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+                let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut c).await;
+                if pong.is_ok() {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "private redis-server did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Kills the server and waits for it to exit.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,205 @@
+//! Behaviour that needs a server of its own (stopped, restarted, its script cache flushed,
+//! its commands counted) or the cluster's layout.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{HOUR, PrivateServer, claim, cluster_config, connect, raw, raw_cluster};
+use conformance::unique_namespace;
+use idem_core::{Backend, ClaimOutcome, Error, FailureKind, Key, Lease, State};
+use idem_redis::{RedisBackend, RedisConfig};
+use redis::aio::ConnectionLike;
+
+fn key(id: &str) -> Key {
+    Key::new(unique_namespace(), id).expect("key")
+}
+
+async fn acquire(backend: &RedisBackend, key: &Key, owner: &str) -> Lease {
+    match backend.claim(&claim(key, owner)).await.expect("claim") {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// How many times the server ran `EVALSHA` so far.
+async fn evalsha_calls(conn: &mut impl ConnectionLike) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .expect("info");
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().expect("calls"))
+}
+
+async fn script_flush(conn: &mut impl ConnectionLike) {
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(conn)
+        .await
+        .expect("script flush");
+}
+
+#[tokio::test]
+async fn a_batch_is_one_script_call() {
+    let server = PrivateServer::start().await;
+    let backend = connect(RedisConfig::new(server.url())).await;
+    let mut conn = raw(&server.url()).await;
+    let ns = unique_namespace();
+    let batch: Vec<_> = (0..128)
+        .map(|i| claim(&Key::new(ns.clone(), format!("k{i}")).expect("key"), "w"))
+        .collect();
+    backend
+        .claim(&batch[0])
+        .await
+        .expect("warm the script cache");
+    let before = evalsha_calls(&mut conn).await;
+    let answers = backend.claim_many(&batch).await.expect("claim_many");
+    assert_eq!(evalsha_calls(&mut conn).await - before, 1);
+    assert!(matches!(&answers[0], ClaimOutcome::InProgress { owner, .. } if owner == "w"));
+    for (c, answer) in batch.iter().zip(&answers).skip(1) {
+        assert!(
+            matches!(answer, ClaimOutcome::Acquired(l) if l.key == c.key && l.token == 1),
+            "{answer:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn scripts_reload_after_the_cache_is_flushed() {
+    let server = PrivateServer::start().await;
+    let backend = connect(RedisConfig::new(server.url())).await;
+    let mut conn = raw(&server.url()).await;
+    let (a, b) = (key("a"), key("b"));
+    let lease = acquire(&backend, &a, "w").await;
+    script_flush(&mut conn).await;
+    let other = acquire(&backend, &b, "w").await;
+    script_flush(&mut conn).await;
+    let until = backend.extend(&lease, HOUR).await.expect("extend");
+    assert!(until > lease.lease_until);
+    script_flush(&mut conn).await;
+    backend
+        .complete(&lease, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("complete");
+    script_flush(&mut conn).await;
+    backend
+        .fail(&other, "no", FailureKind::Permanent, HOUR)
+        .await
+        .expect("fail");
+    script_flush(&mut conn).await;
+    let answers = backend
+        .claim_many(&[claim(&a, "v"), claim(&b, "v")])
+        .await
+        .expect("claim_many");
+    assert_eq!(
+        answers[0],
+        ClaimOutcome::Completed(Bytes::from_static(b"ok"))
+    );
+    assert!(matches!(&answers[1], ClaimOutcome::Poisoned { error, .. } if error == "no"));
+}
+
+#[tokio::test]
+async fn reconnects_after_the_server_restarts() {
+    let mut server = PrivateServer::start().await;
+    let limit = Duration::from_millis(300);
+    let backend = connect(RedisConfig::new(server.url()).with_timeout(limit)).await;
+    let k = key("restart");
+    acquire(&backend, &k, "w").await;
+    server.stop();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let res = backend.claim(&claim(&key("down"), "w")).await;
+        assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
+        assert!(started.elapsed() < limit + Duration::from_millis(400));
+    }
+    server.restart().await;
+    // The manager reconnects in the background after a failure; a few calls may still
+    // fail while it does.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let answer = loop {
+        match backend.claim(&claim(&key("up"), "w")).await {
+            Ok(answer) => break answer,
+            Err(e) => {
+                assert!(e.is_retryable(), "{e:?}");
+                assert!(Instant::now() < deadline, "never reconnected: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert!(matches!(answer, ClaimOutcome::Acquired(_)), "{answer:?}");
+    // The restarted server kept nothing (no persistence): the old key is new again.
+    assert_eq!(backend.get(&k).await.expect("get"), None);
+}
+
+#[tokio::test]
+async fn cluster_keys_hash_on_the_idem_key() {
+    let backend = connect(cluster_config()).await;
+    let mut conn = raw_cluster().await;
+    let k = Key::new("payments", "order-1042").expect("key");
+    let record_key = backend.record_key(&k);
+    assert_eq!(record_key, "idem:{8:payments:order-1042}");
+    let slot = |name: String| {
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("KEYSLOT").arg(name);
+        cmd
+    };
+    let of_key: i64 = slot(record_key)
+        .query_async(&mut conn)
+        .await
+        .expect("keyslot");
+    let of_tag: i64 = slot("8:payments:order-1042".into())
+        .query_async(&mut conn)
+        .await
+        .expect("keyslot");
+    assert_eq!(of_key, of_tag);
+    let other_prefix = connect(cluster_config().with_prefix("other:")).await;
+    let moved: i64 = slot(other_prefix.record_key(&k))
+        .query_async(&mut conn)
+        .await
+        .expect("keyslot");
+    assert_eq!(moved, of_key, "the prefix does not move a key's slot");
+}
+
+#[tokio::test]
+async fn cluster_batches_span_slots_and_keep_order() {
+    let backend = connect(cluster_config()).await;
+    let ns = unique_namespace();
+    let keys: Vec<Key> = (0..128)
+        .map(|i| Key::new(ns.clone(), format!("k{i}")).expect("key"))
+        .collect();
+    let mut batch: Vec<_> = keys.iter().map(|k| claim(k, "w")).collect();
+    batch.push(claim(&keys[5], "v")); // a repeat: sees the first claim of the batch
+    let answers = backend.claim_many(&batch).await.expect("claim_many");
+    for (k, answer) in keys.iter().zip(&answers) {
+        assert!(
+            matches!(answer, ClaimOutcome::Acquired(l) if &l.key == k && l.token == 1),
+            "{answer:?}"
+        );
+    }
+    assert!(matches!(&answers[128], ClaimOutcome::InProgress { owner, .. } if owner == "w"));
+    for k in &keys {
+        let rec = backend.get(k).await.expect("get").expect("record");
+        assert_eq!(rec.state, State::Processing);
+    }
+}
+
+#[tokio::test]
+async fn cluster_scripts_reload_after_the_cache_is_flushed() {
+    let backend = connect(cluster_config()).await;
+    let mut conn = raw_cluster().await;
+    let k = key("flush");
+    let lease = acquire(&backend, &k, "w").await;
+    script_flush(&mut conn).await; // every primary
+    backend
+        .complete(&lease, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("complete");
+    script_flush(&mut conn).await;
+    let replay = backend.claim(&claim(&k, "v")).await.expect("claim");
+    assert_eq!(replay, ClaimOutcome::Completed(Bytes::from_static(b"ok")));
+}
