@@ -1,0 +1,14 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod backend;
+mod config;
+mod error;
+mod expr;
+mod item;
+mod table;
+
+pub use backend::DynamoBackend;
+pub use config::{DynamoConfig, ITEM_LIMIT_BYTES, StaticCredentials};
