@@ -23,6 +23,7 @@ use crate::config::DynamoConfig;
 use crate::error::{WriteError, sdk_error, write_error};
 use crate::expr;
 use crate::item::{self, Item, b, millis, n, s, secs_ceil};
+use crate::requests::Requests;
 
 /// How many compare-and-set rounds a claim tries when its one-write form does not apply
 /// and other writers keep changing the item, before it answers [`Error::Unavailable`].
@@ -47,6 +48,7 @@ struct Inner {
     client: Client,
     config: DynamoConfig,
     clock: Arc<dyn Clock>,
+    requests: Requests,
 }
 
 /// The two readings of the clock every operation takes: `now` sets deadlines, `decide`
@@ -100,11 +102,18 @@ impl DynamoBackend {
     /// in `config` are not used.
     pub fn with_client(client: Client, config: DynamoConfig) -> Result<Self> {
         config.validate()?;
+        let requests = Requests::default();
+        let counted = client
+            .config()
+            .to_builder()
+            .interceptor(requests.clone())
+            .build();
         Ok(DynamoBackend {
             inner: Arc::new(Inner {
-                client,
+                client: Client::from_conf(counted),
                 config,
                 clock: Arc::new(SystemClock),
+                requests,
             }),
         })
     }
@@ -116,8 +125,15 @@ impl DynamoBackend {
                 client: self.inner.client.clone(),
                 config: self.inner.config.clone(),
                 clock: Arc::new(clock),
+                requests: self.inner.requests.clone(),
             }),
         }
+    }
+
+    /// How many HTTP requests this backend and its clones have sent, retries included:
+    /// divided by the messages handled, the round trips per message.
+    pub fn requests_sent(&self) -> u64 {
+        self.inner.requests.sent()
     }
 
     /// The SDK client, for what this crate does not wrap.
@@ -161,8 +177,12 @@ impl DynamoBackend {
             _ => {}
         }
         if let Some(rec) = &mut next {
-            rec.lease_until.as_mut().map(shift);
-            rec.expires_at.as_mut().map(shift);
+            for at in [&mut rec.lease_until, &mut rec.expires_at]
+                .into_iter()
+                .flatten()
+            {
+                shift(at);
+            }
         }
         (answer, next)
     }
@@ -173,6 +193,11 @@ impl DynamoBackend {
 
     /// The one-write claim. `Ok(Ok(answer))` when it was granted; `Ok(Err(item))` with the
     /// item DynamoDB returned when its condition failed.
+    ///
+    /// The condition may refuse more than [`machine::claim`] would (the caller then decides
+    /// from the returned item with the machine itself: a round trip more, never another
+    /// answer), but never less: a grant the machine would not give is reported as
+    /// [`Error::Corrupt`] instead of answered.
     async fn claim_once(&self, claim: &Claim, t: Now) -> Result<Result<ClaimOutcome, Item>> {
         let lease = t.now.saturating_add(claim.lease_ttl);
         let ret = millis(claim.retention);
@@ -317,6 +342,15 @@ impl DynamoBackend {
         }
     }
 
+    /// `TooLarge` if `size` bytes of `what` exceed `max_response_bytes`.
+    fn fits(&self, what: &'static str, size: usize) -> Result<()> {
+        let limit = self.inner.config.max_response_bytes();
+        if size > limit {
+            return Err(Error::TooLarge { what, size, limit });
+        }
+        Ok(())
+    }
+
     /// `:exp` and `:ttl` for a record kept `retention` from `t.now`.
     fn expiry(retention: Duration, t: Now) -> [(String, AttributeValue); 2] {
         let exp = t.now.saturating_add(retention).as_millis();
@@ -421,14 +455,7 @@ impl Backend for DynamoBackend {
     }
 
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        let limit = self.inner.config.max_response_bytes();
-        if response.len() > limit {
-            return Err(Error::TooLarge {
-                what: "response",
-                size: response.len(),
-                limit,
-            });
-        }
+        self.fits("response", response.len())?;
         let t = self.now();
         let size = response.len() + ITEM_OVERHEAD;
         let mut values = HashMap::from([
@@ -447,14 +474,7 @@ impl Backend for DynamoBackend {
         kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        let limit = self.inner.config.max_response_bytes();
-        if error.len() > limit {
-            return Err(Error::TooLarge {
-                what: "error text",
-                size: error.len(),
-                limit,
-            });
-        }
+        self.fits("error text", error.len())?;
         let t = self.now();
         let mut values = HashMap::from([
             (":failed".to_owned(), s(State::Failed.as_str())),
@@ -585,5 +605,65 @@ impl Backend for DynamoBackend {
             .with_native_expiry(true)
             .with_list(true)
             .with_max_response_bytes(self.inner.config.max_response_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::item;
+
+    #[tokio::test]
+    async fn debug_never_shows_the_secret() {
+        let config = DynamoConfig::local("http://127.0.0.1:9", "idem").with_static_credentials(
+            "AKIDEXAMPLE",
+            "wJalrXUtnFEMI-s3cret",
+            Some("session-s3cret".into()),
+        );
+        let backend = DynamoBackend::connect(config).await.expect("connect");
+        let shown = format!("{backend:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("AKIDEXAMPLE"), "{shown}");
+    }
+
+    #[test]
+    fn expressions_name_only_stored_attributes() {
+        let known = [
+            item::PK,
+            item::ST,
+            item::OWNER,
+            item::TOK,
+            item::ATT,
+            item::LEASE,
+            item::RET,
+            item::RET_S,
+            item::EXP,
+            item::TTL,
+            item::FP,
+            item::RESP,
+            item::ERR,
+            item::PERM,
+            item::VER,
+        ];
+        let all = [
+            expr::CLAIM_CONDITION,
+            expr::CLAIM_CONDITION_FP,
+            expr::CLAIM_UPDATE,
+            expr::CLAIM_UPDATE_FP,
+            expr::UNCHANGED,
+            expr::ABSENT,
+            expr::HOLDS,
+            expr::COMPLETE,
+            expr::FAIL,
+            expr::FAIL_PERMANENT,
+            expr::EXTEND,
+            expr::EXPIRED,
+            expr::LIVE,
+            expr::IN_NAMESPACE,
+            expr::IN_STATE,
+        ];
+        for (placeholder, name) in expr::names(&all) {
+            assert!(known.contains(&name.as_str()), "{placeholder} names {name}");
+        }
     }
 }

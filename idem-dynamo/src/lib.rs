@@ -8,6 +8,7 @@ mod config;
 mod error;
 mod expr;
 mod item;
+mod requests;
 mod table;
 
 pub use backend::DynamoBackend;

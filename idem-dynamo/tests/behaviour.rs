@@ -5,13 +5,8 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
-use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
-use aws_sdk_dynamodb::error::BoxError;
 use aws_sdk_dynamodb::types::{AttributeValue, TimeToLiveStatus};
 use bytes::Bytes;
 use idem_core::clock::ManualClock;
@@ -173,60 +168,51 @@ async fn expired_items_count_as_absent_before_ttl_removes_them_and_purge_removes
         .expect("drop the table");
 }
 
-/// Counts the HTTP requests a client sends, retries included.
-#[derive(Debug, Clone, Default)]
-struct Requests(Arc<AtomicUsize>);
-
-impl Intercept for Requests {
-    fn name(&self) -> &'static str {
-        "Requests"
-    }
-
-    fn read_before_transmit(
-        &self,
-        _: &BeforeTransmitInterceptorContextRef<'_>,
-        _: &RuntimeComponents,
-        _: &mut ConfigBag,
-    ) -> Result<(), BoxError> {
-        self.0.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
+/// Requests sent per step, read from the backend's own counter.
+struct Trips<'a> {
+    backend: &'a DynamoBackend,
+    seen: u64,
+    log: Vec<(&'static str, u64)>,
 }
 
-impl Requests {
-    fn take(&self) -> usize {
-        self.0.swap(0, Ordering::SeqCst)
+impl<'a> Trips<'a> {
+    fn new(backend: &'a DynamoBackend) -> Self {
+        Trips {
+            backend,
+            seen: backend.requests_sent(),
+            log: Vec::new(),
+        }
+    }
+
+    /// Logs the requests sent since the last step as `name`'s.
+    fn step(&mut self, name: &'static str) {
+        let now = self.backend.requests_sent();
+        self.log.push((name, now - self.seen));
+        self.seen = now;
+    }
+
+    /// Forgets the requests sent since the last step.
+    fn skip(&mut self) {
+        self.seen = self.backend.requests_sent();
     }
 }
 
 #[tokio::test]
 async fn round_trips_per_path() {
     let clock = ManualClock::new(Timestamp::now());
-    let plain = on_clock(&clock, Duration::ZERO).await;
-    let requests = Requests::default();
-    let conf = plain
-        .client()
-        .config()
-        .to_builder()
-        .interceptor(requests.clone())
-        .build();
-    let client = aws_sdk_dynamodb::Client::from_conf(conf);
-    let b = DynamoBackend::with_client(client, plain.config().clone())
-        .expect("backend")
-        .with_clock(clock.clone());
+    let b = on_clock(&clock, Duration::ZERO).await;
+    let mut trips = Trips::new(&b);
     let key = fresh_key("trips");
     let claim = Claim {
         max_attempts: 3,
         ..claim_of(&key, "a")
     };
-    let mut trips = Vec::new();
-    let mut step = |name: &'static str, n: usize| trips.push((name, n));
 
     let first = acquire(&b, &claim).await;
-    step("first claim", requests.take());
+    trips.step("first claim");
     let lost = b.claim(&claim_of(&key, "b")).await.expect("claim");
     assert!(matches!(lost, ClaimOutcome::InProgress { .. }), "{lost:?}");
-    step("lost race (live lease)", requests.take());
+    trips.step("lost race (live lease)");
     let other = Claim {
         fingerprint: Some(Fingerprint::of(b"other")),
         ..claim_of(&key, "b")
@@ -235,47 +221,44 @@ async fn round_trips_per_path() {
         b.claim(&other).await.expect("claim"),
         ClaimOutcome::Mismatch
     );
-    step("mismatch", requests.take());
+    trips.step("mismatch");
     b.extend(&first, LEASE).await.expect("extend");
-    step("extend", requests.take());
+    trips.step("extend");
     b.fail(&first, "boom", FailureKind::Retry, HOUR)
         .await
         .expect("fail");
-    step("fail", requests.take());
+    trips.step("fail");
     let retry = acquire(&b, &claim).await;
     assert_eq!(retry.kind, ClaimKind::Retry);
-    step("retry", requests.take());
-    clock.advance(LEASE * 2);
+    trips.step("retry");
+    clock.advance(LEASE); // exactly on the deadline: lapsed
     let takeover = acquire(&b, &claim).await;
     assert_eq!((takeover.kind, takeover.attempts), (ClaimKind::Takeover, 3));
-    step("takeover", requests.take());
-    clock.advance(LEASE * 2);
+    trips.step("takeover");
+    clock.advance(LEASE); // exactly on the deadline: lapsed
     let poisoned = ClaimOutcome::Poisoned {
         attempts: 3,
         error: lapsed_error(3),
     };
     assert_eq!(b.claim(&claim).await.expect("claim"), poisoned);
-    step(
-        "lapsed lease, attempts spent: turns poisoned",
-        requests.take(),
-    );
+    trips.step("lapsed lease, attempts spent: turns poisoned");
     assert_eq!(b.claim(&claim).await.expect("claim"), poisoned);
-    step("poisoned", requests.take());
+    trips.step("poisoned");
 
     let done = fresh_key("trips-done");
     let lease = acquire(&b, &claim_of(&done, "a")).await;
-    requests.take();
+    trips.skip();
     b.complete(&lease, Bytes::from_static(b"ok"), Duration::from_secs(60))
         .await
         .expect("complete");
-    step("complete", requests.take());
+    trips.step("complete");
     let replay = ClaimOutcome::Completed(Bytes::from_static(b"ok"));
     assert_eq!(b.claim(&claim_of(&done, "b")).await.expect("claim"), replay);
-    step("duplicate", requests.take());
-    clock.advance(Duration::from_secs(61));
+    trips.step("duplicate");
+    clock.advance(Duration::from_secs(60)); // exactly on the expiry: expired
     let again = acquire(&b, &claim_of(&done, "b")).await;
     assert_eq!((again.token, again.kind), (1, ClaimKind::First));
-    step("expired item not yet removed by TTL", requests.take());
+    trips.step("expired item not yet removed by TTL");
 
     let expected = [
         ("first claim", 1),
@@ -291,7 +274,7 @@ async fn round_trips_per_path() {
         ("duplicate", 1),
         ("expired item not yet removed by TTL", 2),
     ];
-    assert_eq!(trips, expected);
+    assert_eq!(trips.log, expected);
 }
 
 #[tokio::test]
