@@ -1,0 +1,389 @@
+//! The builder and the settings it checks.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use idem_core::{Context, Engine, HandlerError, Key};
+use rdkafka::ClientConfig;
+
+use crate::{Error, IdemConsumer, KeySource, Message, Probe, Result};
+
+/// What a handler's future resolves to: the response bytes stored for duplicates, or a
+/// retryable or permanent [`HandlerError`].
+pub type HandlerResult = std::result::Result<Bytes, HandlerError>;
+
+pub(crate) type DynHandler =
+    Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;
+
+/// What to do with a message whose key source finds no key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MissingKey {
+    /// Send it to the dead-letter topic (the default).
+    #[default]
+    DeadLetter,
+    /// Run the handler without a claim: no deduplication, no lease (`Context` is `None`),
+    /// logged at `warn`. A retryable error is retried in place, up to the engine's attempts;
+    /// a permanent one, or the last retry, dead-letters it.
+    Process,
+}
+
+/// Where dead letters go.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DeadLetterTopic {
+    /// `<topic>.dlq` for each source topic (the default).
+    #[default]
+    Suffix,
+    /// One topic for all.
+    Fixed(String),
+}
+
+impl DeadLetterTopic {
+    pub(crate) fn for_topic(&self, topic: &str) -> String {
+        match self {
+            DeadLetterTopic::Suffix => format!("{topic}.dlq"),
+            DeadLetterTopic::Fixed(t) => t.clone(),
+        }
+    }
+}
+
+/// Consumer-only librdkafka properties left out of the dead-letter producer's
+/// configuration (which otherwise copies the consumer's).
+const CONSUMER_ONLY: &[&str] = &[
+    "group.id",
+    "group.instance.id",
+    "group.protocol",
+    "group.protocol.type",
+    "group.remote.assignor",
+    "partition.assignment.strategy",
+    "session.timeout.ms",
+    "heartbeat.interval.ms",
+    "coordinator.query.interval.ms",
+    "max.poll.interval.ms",
+    "enable.auto.commit",
+    "auto.commit.interval.ms",
+    "enable.auto.offset.store",
+    "queued.min.messages",
+    "queued.max.messages.kbytes",
+    "fetch.wait.max.ms",
+    "fetch.queue.backoff.ms",
+    "fetch.message.max.bytes",
+    "max.partition.fetch.bytes",
+    "fetch.max.bytes",
+    "fetch.min.bytes",
+    "fetch.error.backoff.ms",
+    "isolation.level",
+    "enable.partition.eof",
+    "check.crcs",
+    "auto.offset.reset",
+    "allow.auto.create.topics",
+];
+
+/// The checked settings of an [`IdemConsumer`].
+pub(crate) struct Settings {
+    pub consumer_config: ClientConfig,
+    pub producer_config: ClientConfig,
+    pub topics: Vec<String>,
+    pub group: String,
+    pub namespace: String,
+    pub key_source: KeySource,
+    pub fingerprint: bool,
+    pub engine: Engine,
+    pub handler: DynHandler,
+    pub dead_letter: DeadLetterTopic,
+    pub missing_key: MissingKey,
+    pub partition_concurrency: Option<usize>,
+    pub batch_size: usize,
+    pub buffer: usize,
+    pub commit_interval: Duration,
+    pub revoke_timeout: Duration,
+    pub backoff: (Duration, Duration),
+    pub probe: Option<Arc<dyn Probe>>,
+    /// The engine's attempt limit, for messages processed without a key.
+    pub max_attempts: u32,
+    /// The engine's lease.
+    pub lease_ttl: Duration,
+}
+
+/// Builds an [`IdemConsumer`]. Required: topics, an engine and a handler; the group comes
+/// from [`ConsumerBuilder::group`] or the config's `group.id`.
+pub struct ConsumerBuilder {
+    config: ClientConfig,
+    producer_config: Option<ClientConfig>,
+    topics: Vec<String>,
+    group: Option<String>,
+    namespace: Option<String>,
+    key_source: KeySource,
+    fingerprint: bool,
+    engine: Option<Engine>,
+    handler: Option<DynHandler>,
+    dead_letter: DeadLetterTopic,
+    missing_key: MissingKey,
+    partition_concurrency: Option<usize>,
+    batch_size: usize,
+    commit_interval: Duration,
+    revoke_timeout: Duration,
+    backoff: (Duration, Duration),
+    shutdown: Option<BoxFuture<'static, ()>>,
+    probe: Option<Arc<dyn Probe>>,
+}
+
+impl ConsumerBuilder {
+    pub(crate) fn new(config: ClientConfig) -> Self {
+        ConsumerBuilder {
+            config,
+            producer_config: None,
+            topics: Vec::new(),
+            group: None,
+            namespace: None,
+            key_source: KeySource::default(),
+            fingerprint: true,
+            engine: None,
+            handler: None,
+            dead_letter: DeadLetterTopic::default(),
+            missing_key: MissingKey::default(),
+            partition_concurrency: None,
+            batch_size: 500,
+            commit_interval: Duration::from_secs(1),
+            revoke_timeout: Duration::from_secs(10),
+            backoff: (Duration::from_millis(20), Duration::from_secs(2)),
+            shutdown: None,
+            probe: None,
+        }
+    }
+
+    /// The topics to subscribe to.
+    pub fn topics<I, S>(mut self, topics: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.topics = topics.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The consumer group (sets `group.id`).
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = Some(group.into());
+        self
+    }
+
+    /// The key namespace (default: the group id).
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
+    }
+
+    /// Where keys come from (default: the `idempotency-key` header).
+    pub fn key_source(mut self, source: KeySource) -> Self {
+        self.key_source = source;
+        self
+    }
+
+    /// Whether a claim carries the payload's fingerprint, so a different payload under a
+    /// known key is dead-lettered as a mismatch (default on; this setting wins over the
+    /// engine's).
+    pub fn fingerprint(mut self, on: bool) -> Self {
+        self.fingerprint = on;
+        self
+    }
+
+    /// The engine, over any backend; its owner, lease, heartbeat, retention and attempts
+    /// apply.
+    pub fn engine(mut self, engine: Engine) -> Self {
+        self.engine = Some(engine);
+        self
+    }
+
+    /// The handler. It gets the message and the lease's [`Context`] (its fencing token;
+    /// `None` only for a keyless message under [`MissingKey::Process`]) and returns the
+    /// response bytes, or a retryable or permanent [`HandlerError`].
+    pub fn handler<F, Fut>(mut self, handler: F) -> Self
+    where
+        F: Fn(Message, Option<Context>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = HandlerResult> + Send + 'static,
+    {
+        self.handler = Some(Arc::new(move |m, c| handler(m, c).boxed()));
+        self
+    }
+
+    /// The dead-letter topic (default `<topic>.dlq` per source topic). It must exist:
+    /// until a dead letter is acknowledged, its partition stalls.
+    pub fn dead_letter_topic(mut self, topic: DeadLetterTopic) -> Self {
+        self.dead_letter = topic;
+        self
+    }
+
+    /// The dead-letter producer's configuration (default: the consumer's, without the
+    /// consumer-only properties).
+    pub fn dead_letter_config(mut self, config: ClientConfig) -> Self {
+        self.producer_config = Some(config);
+        self
+    }
+
+    /// What to do with a message that has no key (default: dead-letter it).
+    pub fn missing_key(mut self, policy: MissingKey) -> Self {
+        self.missing_key = policy;
+        self
+    }
+
+    /// How many partitions may run handlers at once (default: every assigned partition).
+    pub fn partition_concurrency(mut self, n: usize) -> Self {
+        self.partition_concurrency = Some(n);
+        self
+    }
+
+    /// The most messages of one partition claimed in one round trip (default 500).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// How often stored offsets are committed (default 1 s). They are also committed on
+    /// revoke and on shutdown.
+    pub fn commit_interval(mut self, every: Duration) -> Self {
+        self.commit_interval = every;
+        self
+    }
+
+    /// How long a revoke or a shutdown waits for in-flight handlers (default 10 s).
+    pub fn revoke_timeout(mut self, timeout: Duration) -> Self {
+        self.revoke_timeout = timeout;
+        self
+    }
+
+    /// The first and the longest pause of a stalled partition between retries (default
+    /// 20 ms and 2 s, doubling).
+    pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.backoff = (first, max);
+        self
+    }
+
+    /// Stops the loop when `signal` resolves: dispatching ends, in-flight handlers get
+    /// the revoke timeout, settled offsets are committed, and the client is closed.
+    pub fn shutdown(mut self, signal: impl Future<Output = ()> + Send + 'static) -> Self {
+        self.shutdown = Some(signal.boxed());
+        self
+    }
+
+    /// A crash-point probe, for fault-injection tests (see [`Probe`]).
+    pub fn probe(mut self, probe: Arc<dyn Probe>) -> Self {
+        self.probe = Some(probe);
+        self
+    }
+
+    /// Checks the settings and builds the consumer; the Kafka client is created by
+    /// [`IdemConsumer::run`].
+    pub fn build(self) -> Result<IdemConsumer> {
+        let mut config = self.config;
+        if let Some(group) = &self.group {
+            config.set("group.id", group);
+        }
+        let group = match config.get("group.id") {
+            Some(g) if !g.is_empty() => g.to_owned(),
+            _ => return Err(Error::Config("a group is required (group.id)".into())),
+        };
+        for (prop, why) in [
+            ("enable.auto.commit", "idem-kafka commits itself"),
+            (
+                "enable.auto.offset.store",
+                "offsets are stored only for settled messages",
+            ),
+        ] {
+            match config.get(prop) {
+                None | Some("false") => {}
+                Some(v) => return Err(Error::Config(format!("{prop}={v}: must be false, {why}"))),
+            }
+            config.set(prop, "false");
+        }
+        if config.get("fetch.queue.backoff.ms").is_none() {
+            config.set("fetch.queue.backoff.ms", "10");
+        }
+        if self.topics.is_empty() || self.topics.iter().any(String::is_empty) {
+            return Err(Error::Config("at least one non-empty topic is required".into()));
+        }
+        let namespace = self.namespace.unwrap_or_else(|| group.clone());
+        Key::new(namespace.clone(), "probe")
+            .map_err(|e| Error::Config(format!("namespace {namespace:?}: {e}")))?;
+        self.key_source.check().map_err(Error::Config)?;
+        let engine = self
+            .engine
+            .ok_or_else(|| Error::Config("an engine is required".into()))?;
+        let handler = self
+            .handler
+            .ok_or_else(|| Error::Config("a handler is required".into()))?;
+        if self.batch_size == 0 {
+            return Err(Error::Config("batch_size must be at least 1".into()));
+        }
+        if self.partition_concurrency == Some(0) {
+            return Err(Error::Config(
+                "partition_concurrency must be at least 1".into(),
+            ));
+        }
+        let (first, max) = self.backoff;
+        if first.is_zero() || max < first {
+            return Err(Error::Config(format!(
+                "retry_backoff: first ({first:?}) must be above zero and at most max ({max:?})"
+            )));
+        }
+        if self.commit_interval.is_zero() {
+            return Err(Error::Config("commit_interval must be above zero".into()));
+        }
+        if let DeadLetterTopic::Fixed(t) = &self.dead_letter {
+            if t.is_empty() || self.topics.contains(t) {
+                return Err(Error::Config(format!(
+                    "dead-letter topic {t:?} must be non-empty and not a source topic"
+                )));
+            }
+        }
+        let producer_config = self.producer_config.unwrap_or_else(|| {
+            let mut p = config.clone();
+            for prop in CONSUMER_ONLY {
+                p.remove(prop);
+            }
+            p
+        });
+        let sample = engine.claim_for(&Key::new(namespace.clone(), "probe")?, b"");
+        let settings = Settings {
+            consumer_config: config,
+            producer_config,
+            topics: self.topics,
+            group,
+            namespace,
+            key_source: self.key_source,
+            fingerprint: self.fingerprint,
+            engine,
+            handler,
+            dead_letter: self.dead_letter,
+            missing_key: self.missing_key,
+            partition_concurrency: self.partition_concurrency,
+            batch_size: self.batch_size,
+            buffer: self.batch_size.saturating_mul(2),
+            commit_interval: self.commit_interval,
+            revoke_timeout: self.revoke_timeout,
+            backoff: self.backoff,
+            probe: self.probe,
+            max_attempts: sample.max_attempts,
+            lease_ttl: sample.lease_ttl,
+        };
+        Ok(IdemConsumer::new(settings, self.shutdown))
+    }
+}
+
+impl fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("topics", &self.topics)
+            .field("group", &self.group)
+            .field("namespace", &self.namespace)
+            .field("key_source", &self.key_source)
+            .field("fingerprint", &self.fingerprint)
+            .field("dead_letter", &self.dead_letter)
+            .field("missing_key", &self.missing_key)
+            .finish_non_exhaustive()
+    }
+}
