@@ -10,6 +10,7 @@ use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message as _};
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::{Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -258,7 +259,30 @@ pub(crate) struct LoopContext {
     shared: Arc<Shared>,
 }
 
-impl ClientContext for LoopContext {}
+impl ClientContext for LoopContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        log_to_tracing(level, fac, message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(target: "librdkafka", %error, reason, "client error");
+    }
+}
+
+/// librdkafka's log lines, as `tracing` events with target `librdkafka`.
+pub(crate) fn log_to_tracing(level: RDKafkaLogLevel, fac: &str, message: &str) {
+    match level {
+        RDKafkaLogLevel::Emerg
+        | RDKafkaLogLevel::Alert
+        | RDKafkaLogLevel::Critical
+        | RDKafkaLogLevel::Error => tracing::error!(target: "librdkafka", fac, "{message}"),
+        RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", fac, "{message}"),
+        RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+            tracing::info!(target: "librdkafka", fac, "{message}")
+        }
+        RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", fac, "{message}"),
+    }
+}
 
 impl ConsumerContext for LoopContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -350,10 +374,14 @@ fn close(shared: &Shared, consumer: Arc<BaseConsumer<LoopContext>>) {
     while Arc::strong_count(&consumer) > 1 && start.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(1));
     }
-    if shared.dead.is_cancelled() {
+    let dead = shared.dead.is_cancelled();
+    if dead {
         tracing::debug!("closing the consumer after a crash: no commit");
     }
     drop(consumer);
+    if let (true, Some(probe)) = (dead, &shared.settings.probe) {
+        probe.closed();
+    }
 }
 
 /// A one-partition list, for pause and resume calls.

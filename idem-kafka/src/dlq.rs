@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use rdkafka::ClientConfig;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::{ClientConfig, ClientContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -61,8 +62,17 @@ pub(crate) struct Letter<'a> {
     pub attempts: u32,
 }
 
+/// Sends the producer's log lines to `tracing`.
+pub(crate) struct LogContext;
+
+impl ClientContext for LogContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        crate::consumer::log_to_tracing(level, fac, message);
+    }
+}
+
 pub(crate) struct DeadLetters {
-    producer: FutureProducer,
+    producer: FutureProducer<LogContext>,
     topic: DeadLetterTopic,
 }
 
@@ -73,7 +83,7 @@ impl DeadLetters {
             config.set("message.timeout.ms", "30000");
         }
         let producer = config
-            .create()
+            .create_with_context(LogContext)
             .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
         Ok(DeadLetters { producer, topic })
     }

@@ -563,8 +563,10 @@ impl Worker {
         };
         if probe.reached(point, &self.state.topic, self.state.partition, offset) == Verdict::Crash
         {
-            tracing::info!(?point, topic = %self.state.topic, partition = self.state.partition, offset, "probe: crash");
-            self.shared.crash();
+            if !self.shared.dead.is_cancelled() {
+                tracing::info!(?point, topic = %self.state.topic, partition = self.state.partition, offset, "probe: crash");
+                self.shared.crash();
+            }
             return true;
         }
         false

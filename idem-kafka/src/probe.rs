@@ -34,4 +34,9 @@ pub enum Verdict {
 pub trait Probe: Send + Sync + 'static {
     /// Whether to crash at `point` for the message at `topic`/`partition`/`offset`.
     fn reached(&self, point: Point, topic: &str, partition: i32, offset: i64) -> Verdict;
+
+    /// Called once the client of a crashed consumer is closed (it has left its group), so
+    /// a test can start the replacement only after the dead one is gone, as a supervisor
+    /// restarting a process would.
+    fn closed(&self) {}
 }

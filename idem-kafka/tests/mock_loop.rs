@@ -343,3 +343,182 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     }
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![15]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_consumers_in_one_group_rebalance() {
+    let topic = unique("rebal");
+    let cluster = mock(1, &[(&topic, 4), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = (0..400)
+        .map(|i| Out::keyed(i % 4, &format!("k{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let group = unique("g");
+    let backend = Arc::new(MemoryBackend::new());
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let start = |owner: &'static str, mine: Arc<Effects>| {
+        let (stop, signal) = shutdown();
+        let fx = effects.clone();
+        let consumer = IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(engine(backend.clone(), owner, Duration::from_secs(5)))
+            .batch_size(20)
+            .commit_interval(Duration::from_millis(100))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, _| {
+                let (fx, mine) = (fx.clone(), mine.clone());
+                async move {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let id = msg.key().map(Key::id).unwrap_or_default();
+                    mine.apply(id);
+                    Ok(fx.apply(id))
+                }
+            })
+            .build()
+            .unwrap();
+        (stop, tokio::spawn(consumer.run()))
+    };
+    let (a_runs, b_runs) = (Effects::new(), Effects::new());
+    let (stop_a, task_a) = start("a", a_runs.clone());
+    recorder.wait_settled(40, WAIT).await;
+    let (stop_b, task_b) = start("b", b_runs.clone());
+    recorder.wait_settled(400, WAIT).await;
+    stop_a.cancel();
+    stop_b.cancel();
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+
+    assert!(a_runs.total() > 0 && b_runs.total() > 0, "a ran {}, b ran {}", a_runs.total(), b_runs.total());
+    assert_eq!(effects.distinct(), 400);
+    assert_eq!(effects.total(), 400, "no message ran twice across the rebalance");
+    assert_eq!(committed(&brokers, &group, &topic, 4), vec![100; 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failed_commits_are_retried() {
+    use idem_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let topic = unique("commit");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = (0..30).map(|i| Out::keyed(0, &format!("k{i}"), "x")).collect();
+    produce(&brokers, &topic, &msgs).await;
+    cluster.request_errors(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OFFSET_METADATA_TOO_LARGE; 4],
+    );
+    let group = unique("g");
+    let recorder = Recorder::new();
+    let (stop, signal) = shutdown();
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(engine(Arc::new(MemoryBackend::new()), "w1", Duration::from_secs(5)))
+            .batch_size(5)
+            .commit_interval(Duration::from_millis(50))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(|msg, _| async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                Ok(Bytes::from(msg.offset().to_string()))
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(30, WAIT).await;
+    // The first commits failed; a later periodic commit carries the settled offset.
+    let deadline = std::time::Instant::now() + WAIT;
+    while committed(&brokers, &group, &topic, 1) != vec![30] {
+        assert!(std::time::Instant::now() < deadline, "offset 30 never committed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
+    use idem_kafka::rdkafka::mocking::MockCoordinator;
+    use idem_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let topic = unique("dlqdown");
+    let dlq = format!("{topic}.dlq");
+    let cluster = mock(2, &[(&topic, 1), (&dlq, 1)]);
+    let group = unique("g");
+    cluster.partition_leader(&topic, 0, Some(1)).unwrap();
+    cluster.partition_leader(&dlq, 0, Some(2)).unwrap();
+    cluster
+        .coordinator(MockCoordinator::Group(group.clone()), 1)
+        .unwrap();
+    let brokers = cluster.bootstrap_servers();
+    let msgs = [
+        Out::keyed(0, "a", "1"),
+        Out {
+            partition: Some(0),
+            payload: b"no key".to_vec(),
+            ..Out::default()
+        },
+        Out::keyed(0, "b", "3"),
+        Out {
+            partition: Some(0),
+            payload: b"no key either".to_vec(),
+            ..Out::default()
+        },
+        Out::keyed(0, "c", "5"),
+    ];
+    produce(&brokers, &topic, &msgs).await;
+    cluster.broker_down(2).unwrap();
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let mut dlq_config = idem_kafka::rdkafka::ClientConfig::new();
+    dlq_config
+        .set("bootstrap.servers", &brokers)
+        .set("message.timeout.ms", "1000");
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(engine(Arc::new(MemoryBackend::new()), "w1", Duration::from_secs(5)))
+            .dead_letter_config(dlq_config)
+            .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
+            .commit_interval(Duration::from_millis(50))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, _| {
+                let fx = fx.clone();
+                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(1, WAIT).await;
+    // The dead letter cannot be written: the partition holds at offset 1.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(recorder.settled_on(0).into_iter().collect::<Vec<_>>(), vec![0]);
+    assert_eq!(effects.runs("b"), 0);
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![1]);
+    cluster.broker_up(2).unwrap();
+    recorder.wait_settled(3, WAIT).await;
+    // Now produce requests fail a few times: the second dead letter waits for its ack too.
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_RECORD; 3],
+    );
+    recorder.wait_settled(5, WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!((effects.runs("a"), effects.runs("b"), effects.runs("c")), (1, 1, 1));
+    let letters = common::read_all(&brokers, &dlq, 1, 2, WAIT);
+    let offsets: Vec<&str> = letters
+        .iter()
+        .map(|l| l.headers["idem-original-offset"].as_str())
+        .collect();
+    assert_eq!(offsets, ["1", "3"]);
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![5]);
+}

@@ -64,6 +64,10 @@ pub fn consumer_config(brokers: &str) -> ClientConfig {
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
         .set("topic.metadata.refresh.interval.ms", "500");
+    if let Ok(debug) = std::env::var("IDEM_KAFKA_DEBUG") {
+        c.set("debug", debug)
+            .set_log_level(idem_kafka::rdkafka::config::RDKafkaLogLevel::Debug);
+    }
     c
 }
 
@@ -319,4 +323,53 @@ pub fn shutdown() -> (tokio_util::sync::CancellationToken, impl std::future::Fut
     let token = tokio_util::sync::CancellationToken::new();
     let wait = token.clone();
     (token, async move { wait.cancelled().await })
+}
+
+static SNAPSHOTTER: std::sync::OnceLock<metrics_util::debugging::Snapshotter> =
+    std::sync::OnceLock::new();
+
+/// Installs a global debugging metrics recorder (once per test binary).
+pub fn install_metrics() {
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().expect("metrics recorder");
+        snapshotter
+    });
+}
+
+/// The sum over partitions of counter `name` for `topic` since the start. A snapshot
+/// resets the recorder's counters, so every snapshot is added into running totals.
+pub fn counter(name: &str, topic: &str) -> u64 {
+    use metrics_util::debugging::DebugValue;
+    static TOTALS: Mutex<Vec<(String, String, u64)>> = Mutex::new(Vec::new());
+    let Some(snap) = SNAPSHOTTER.get() else {
+        panic!("call install_metrics first");
+    };
+    let mut totals = TOTALS.lock().unwrap();
+    for (k, _, _, v) in snap.snapshot().into_vec() {
+        let DebugValue::Counter(n) = v else { continue };
+        let key = k.key();
+        let t = key
+            .labels()
+            .find(|l| l.key() == "topic")
+            .map(|l| l.value().to_owned())
+            .unwrap_or_default();
+        totals.push((key.name().to_owned(), t, n));
+    }
+    totals
+        .iter()
+        .filter(|(n, t, _)| n == name && t == topic)
+        .map(|(.., v)| v)
+        .sum()
+}
+
+/// Logs to the test output when `RUST_LOG` is set.
+pub fn log_from_env() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
 }
