@@ -267,7 +267,7 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> (Figures, 
     }
 
     // Messages are produced in waves paced so that every planned crash still finds work:
-    // about eight seconds of production per crash left (a crash and the replacement's
+    // about six seconds of production per crash left (a crash and the replacement's
     // join are two rebalances on tansu).
     let tick = Duration::from_millis(250);
     let deadline = Instant::now() + plan.timeout;
@@ -276,7 +276,7 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> (Figures, 
         let crashes_left = crashes_planned - crashed_instances.len();
         let left = pending.len();
         if left > 0 {
-            let ticks_left = (crashes_left as u32 * 32 + 8).max(1) as usize;
+            let ticks_left = (crashes_left as u32 * 24 + 8).max(1) as usize;
             let wave: Vec<(Option<String>, Out)> =
                 pending.by_ref().take(left.div_ceil(ticks_left)).collect();
             let outs: Vec<Out> = wave.iter().map(|(_, o)| o.clone()).collect();
