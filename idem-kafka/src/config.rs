@@ -20,6 +20,20 @@ pub type HandlerResult = std::result::Result<Bytes, HandlerError>;
 pub(crate) type DynHandler =
     Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;
 
+/// How messages are run: under a lease through the engine, or in a PostgreSQL
+/// transaction with the offset.
+pub(crate) enum Mode {
+    Lease(DynHandler),
+    #[cfg(feature = "postgres")]
+    Transactional(crate::transactional::Transactional),
+}
+
+impl Mode {
+    pub fn is_transactional(&self) -> bool {
+        !matches!(self, Mode::Lease(_))
+    }
+}
+
 /// What to do with a message whose key source finds no key.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MissingKey {
@@ -93,7 +107,7 @@ pub(crate) struct Settings {
     pub key_source: KeySource,
     pub fingerprint: bool,
     pub engine: Engine,
-    pub handler: DynHandler,
+    pub mode: Mode,
     pub dead_letter: DeadLetterTopic,
     pub missing_key: MissingKey,
     pub partition_concurrency: Option<usize>,
@@ -121,6 +135,8 @@ pub struct ConsumerBuilder {
     fingerprint: bool,
     engine: Option<Engine>,
     handler: Option<DynHandler>,
+    #[cfg(feature = "postgres")]
+    transactional: Option<crate::transactional::Transactional>,
     dead_letter: DeadLetterTopic,
     missing_key: MissingKey,
     partition_concurrency: Option<usize>,
@@ -144,6 +160,8 @@ impl ConsumerBuilder {
             fingerprint: true,
             engine: None,
             handler: None,
+            #[cfg(feature = "postgres")]
+            transactional: None,
             dead_letter: DeadLetterTopic::default(),
             missing_key: MissingKey::default(),
             partition_concurrency: None,
@@ -208,6 +226,32 @@ impl ConsumerBuilder {
         Fut: Future<Output = HandlerResult> + Send + 'static,
     {
         self.handler = Some(Arc::new(move |m, c| handler(m, c).boxed()));
+        self
+    }
+
+    /// Transactional mode over PostgreSQL, instead of [`ConsumerBuilder::handler`]: each
+    /// message's claim commits first on its own (counting the attempt), then `handler`
+    /// runs in an open transaction with the lease, and its writes, the `Completed` record
+    /// and the offset commit together. On assignment the consumer seeks to the offsets
+    /// stored in PostgreSQL. The engine, if set, gives the owner, lease, attempts and
+    /// retention; by default one over `backend` with the engine's defaults.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub fn transactional<F>(mut self, backend: idem_postgres::PgBackend, handler: F) -> Self
+    where
+        F: for<'t> Fn(
+                Message,
+                &'t mut idem_postgres::PgTransaction,
+                idem_core::Lease,
+            ) -> BoxFuture<'t, HandlerResult>
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.transactional = Some(crate::transactional::Transactional {
+            backend,
+            handler: Arc::new(handler),
+        });
         self
     }
 
@@ -276,10 +320,36 @@ impl ConsumerBuilder {
         self
     }
 
+    /// The engine and the mode, from what was set.
+    fn mode(&mut self) -> Result<(Engine, Mode)> {
+        #[cfg(feature = "postgres")]
+        if let Some(tx) = self.transactional.take() {
+            if self.handler.is_some() {
+                return Err(Error::Config(
+                    "set either a handler or a transactional handler, not both".into(),
+                ));
+            }
+            let engine = match self.engine.take() {
+                Some(engine) => engine,
+                None => Engine::builder(Arc::new(tx.backend.clone())).build()?,
+            };
+            return Ok((engine, Mode::Transactional(tx)));
+        }
+        let engine = self
+            .engine
+            .take()
+            .ok_or_else(|| Error::Config("an engine is required".into()))?;
+        let handler = self
+            .handler
+            .take()
+            .ok_or_else(|| Error::Config("a handler is required".into()))?;
+        Ok((engine, Mode::Lease(handler)))
+    }
+
     /// Checks the settings and builds the consumer; the Kafka client is created by
     /// [`IdemConsumer::run`].
-    pub fn build(self) -> Result<IdemConsumer> {
-        let mut config = self.config;
+    pub fn build(mut self) -> Result<IdemConsumer> {
+        let mut config = std::mem::take(&mut self.config);
         if let Some(group) = &self.group {
             config.set("group.id", group);
         }
@@ -304,18 +374,15 @@ impl ConsumerBuilder {
             config.set("fetch.queue.backoff.ms", "10");
         }
         if self.topics.is_empty() || self.topics.iter().any(String::is_empty) {
-            return Err(Error::Config("at least one non-empty topic is required".into()));
+            return Err(Error::Config(
+                "at least one non-empty topic is required".into(),
+            ));
         }
-        let namespace = self.namespace.unwrap_or_else(|| group.clone());
+        let namespace = self.namespace.take().unwrap_or_else(|| group.clone());
         Key::new(namespace.clone(), "probe")
             .map_err(|e| Error::Config(format!("namespace {namespace:?}: {e}")))?;
         self.key_source.check().map_err(Error::Config)?;
-        let engine = self
-            .engine
-            .ok_or_else(|| Error::Config("an engine is required".into()))?;
-        let handler = self
-            .handler
-            .ok_or_else(|| Error::Config("a handler is required".into()))?;
+        let (engine, mode) = self.mode()?;
         if self.batch_size == 0 {
             return Err(Error::Config("batch_size must be at least 1".into()));
         }
@@ -340,6 +407,13 @@ impl ConsumerBuilder {
                 )));
             }
         }
+        if mode.is_transactional() && self.missing_key == MissingKey::Process {
+            return Err(Error::Config(
+                "transactional mode needs a key for every message: MissingKey::Process is \
+                 not available"
+                    .into(),
+            ));
+        }
         let producer_config = self.producer_config.unwrap_or_else(|| {
             let mut p = config.clone();
             for prop in CONSUMER_ONLY {
@@ -357,7 +431,7 @@ impl ConsumerBuilder {
             key_source: self.key_source,
             fingerprint: self.fingerprint,
             engine,
-            handler,
+            mode,
             dead_letter: self.dead_letter,
             missing_key: self.missing_key,
             partition_concurrency: self.partition_concurrency,

@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message as _};
-use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::{Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -64,7 +65,8 @@ impl IdemConsumer {
     /// committed, and the client is closed without a commit.
     pub async fn run(self) -> Result<()> {
         let IdemConsumer { settings, shutdown } = self;
-        let dead_letters = DeadLetters::new(&settings.producer_config, settings.dead_letter.clone())?;
+        let dead_letters =
+            DeadLetters::new(&settings.producer_config, settings.dead_letter.clone())?;
         let permits = settings
             .partition_concurrency
             .map(|n| Arc::new(Semaphore::new(n)));
@@ -285,28 +287,61 @@ pub(crate) fn log_to_tracing(level: RDKafkaLogLevel, fac: &str, message: &str) {
 }
 
 impl ConsumerContext for LoopContext {
-    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Revoke(tpl) = rebalance {
-            let tps: Vec<Tp> = tpl
-                .elements()
-                .iter()
-                .map(|e| (Arc::from(e.topic()), e.partition()))
-                .collect();
-            tracing::info!(partitions = tps.len(), "partitions revoked");
-            self.shared.revoke(consumer, &tps);
-        }
-    }
-
-    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        match rebalance {
-            Rebalance::Assign(tpl) => {
+    /// Revoke: stop dispatching, wait for in-flight handlers, commit what is settled, then
+    /// unassign. Assign: in transactional mode set the offsets stored in PostgreSQL, then
+    /// assign and start a worker per partition.
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let result = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 tracing::info!(partitions = tpl.count(), "partitions assigned");
+                #[cfg(feature = "postgres")]
+                crate::transactional::seek_to_stored(&self.shared, tpl);
+                let r = if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                };
                 if !self.shared.dead.is_cancelled() {
                     self.shared.assign(consumer, tpl);
                 }
+                r
             }
-            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
-            Rebalance::Revoke(_) => {}
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                let tps: Vec<Tp> = tpl
+                    .elements()
+                    .iter()
+                    .map(|e| (Arc::from(e.topic()), e.partition()))
+                    .collect();
+                tracing::info!(partitions = tps.len(), "partitions revoked");
+                self.shared.revoke(consumer, &tps);
+                if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                }
+            }
+            other => {
+                tracing::warn!(error = ?other, "rebalance error");
+                let all = self.shared.all_partitions();
+                self.shared.revoke(consumer, &all);
+                if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                }
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "assign or unassign failed");
         }
     }
 

@@ -3,10 +3,10 @@
 use std::time::Duration;
 
 use rdkafka::config::RDKafkaLogLevel;
-use rdkafka::{ClientConfig, ClientContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, ClientContext};
 
 use crate::{DeadLetterTopic, Error, Message, Result};
 

@@ -166,9 +166,15 @@ mod tests {
         let m = msg(Some("mk"), "{}", &[("idempotency-key", b"pay-1")]);
         assert_eq!(KeySource::default().extract("ns", &m), key("pay-1"));
         let none = msg(Some("mk"), "{}", &[("other", b"x")]);
-        assert_eq!(KeySource::default().extract("ns", &none), Extracted::Missing);
+        assert_eq!(
+            KeySource::default().extract("ns", &none),
+            Extracted::Missing
+        );
         let empty = msg(None, "{}", &[("idempotency-key", b"")]);
-        assert_eq!(KeySource::default().extract("ns", &empty), Extracted::Missing);
+        assert_eq!(
+            KeySource::default().extract("ns", &empty),
+            Extracted::Missing
+        );
         let binary = msg(None, "{}", &[("idempotency-key", &[0xff, 0xfe])]);
         assert!(matches!(
             KeySource::default().extract("ns", &binary),
@@ -181,7 +187,10 @@ mod tests {
         let m = msg(Some("mk-9"), "x", &[]);
         assert_eq!(KeySource::MessageKey.extract("ns", &m), key("mk-9"));
         let none = msg(None, "x", &[]);
-        assert_eq!(KeySource::MessageKey.extract("ns", &none), Extracted::Missing);
+        assert_eq!(
+            KeySource::MessageKey.extract("ns", &none),
+            Extracted::Missing
+        );
     }
 
     #[test]
@@ -194,7 +203,9 @@ mod tests {
         let missing = msg(None, r#"{"payment":{}}"#, &[]);
         assert_eq!(src.extract("ns", &missing), Extracted::Missing);
         let obj = msg(None, r#"{"payment":{"id":{}}}"#, &[]);
-        assert!(matches!(src.extract("ns", &obj), Extracted::Invalid(r) if r.contains("an object")));
+        assert!(
+            matches!(src.extract("ns", &obj), Extracted::Invalid(r) if r.contains("an object"))
+        );
         let garbage = msg(None, "not json", &[]);
         assert!(matches!(
             src.extract("ns", &garbage),
@@ -211,7 +222,10 @@ mod tests {
             Ok(text.split(':').nth(1).map(str::to_owned))
         });
         assert_eq!(src.extract("ns", &msg(None, "pay:77", &[])), key("77"));
-        assert_eq!(src.extract("ns", &msg(None, "pay", &[])), Extracted::Missing);
+        assert_eq!(
+            src.extract("ns", &msg(None, "pay", &[])),
+            Extracted::Missing
+        );
         let bad = Message::new("t", 0, 0, None, Bytes::from_static(&[0xff]), &[]);
         assert!(matches!(src.extract("ns", &bad), Extracted::Malformed(_)));
     }

@@ -12,6 +12,9 @@ pub mod metrics;
 mod partition;
 mod probe;
 mod run;
+mod settle;
+#[cfg(feature = "postgres")]
+mod transactional;
 
 pub use config::{ConsumerBuilder, DeadLetterTopic, HandlerResult, MissingKey};
 pub use consumer::IdemConsumer;

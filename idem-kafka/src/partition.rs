@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem_core::{Claim, ClaimOutcome, Fingerprint, Timestamp};
+use idem_core::{Claim, ClaimOutcome, Fingerprint};
 use rdkafka::consumer::Consumer;
 use rdkafka::message::{BorrowedMessage, Message as _};
 use tokio::sync::mpsc;
@@ -13,14 +13,14 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Span;
 
+use crate::Message;
 use crate::config::MissingKey;
 use crate::consumer::{Shared, Tp, tp_list};
-use crate::dlq::{Letter, Reason};
+use crate::dlq::Reason;
 use crate::key::Extracted;
 use crate::metrics::Counters;
 use crate::probe::{Point, Verdict};
-use crate::run::{Backoff, Ran};
-use crate::Message;
+use crate::run::Backoff;
 
 /// Pause reasons: the worker's buffer is full, or the worker is stalled.
 const BACKLOG: u8 = 1;
@@ -133,11 +133,11 @@ impl WorkerHandle {
 /// A message and what its key source made of it.
 pub(crate) struct Item {
     pub msg: Message,
-    kind: Kind,
+    pub kind: Kind,
     pub span: Span,
 }
 
-enum Kind {
+pub(crate) enum Kind {
     Keyed,
     Unkeyed,
     Dead(Reason, String),
@@ -150,9 +150,9 @@ pub(crate) struct Worker {
     rx: mpsc::UnboundedReceiver<Message>,
     pub(crate) counters: Counters,
     /// The last settled offset, and the last one stored in the client.
-    settled: Option<i64>,
+    pub(crate) settled: Option<i64>,
     stored: Option<i64>,
-    stalled: bool,
+    pub(crate) stalled: bool,
     /// Average time to settle one message, to keep claims ahead of the handler short.
     per_message: Duration,
     lease_ttl: Duration,
@@ -255,10 +255,12 @@ impl Worker {
                 .filter_map(|i| i.msg.key().map(|k| self.claim_for(k, i.msg.payload())))
                 .collect();
             let first = chunk[0].msg.offset();
-            if self.probe(Point::BeforeClaim, first) {
+            // Transactional mode claims each message inside its own transaction.
+            let batched = !self.shared.settings.mode.is_transactional();
+            if batched && self.probe(Point::BeforeClaim, first) {
                 return Flow::Dead;
             }
-            let mut answers = if claims.is_empty() {
+            let mut answers = if claims.is_empty() || !batched {
                 Vec::new()
             } else {
                 match self.claim_many(&claims).await {
@@ -269,7 +271,7 @@ impl Worker {
             .into_iter()
             .map(Some)
             .collect::<Vec<_>>();
-            if self.probe(Point::AfterClaim, first) {
+            if batched && self.probe(Point::AfterClaim, first) {
                 return Flow::Dead;
             }
             let mut next_claim = 0;
@@ -284,11 +286,10 @@ impl Worker {
                         Kind::Keyed => {
                             let i = next_claim;
                             next_claim += 1;
-                            match (claims.get(i), answers.get_mut(i).and_then(Option::take)) {
-                                (Some(claim), Some(answer)) => {
-                                    self.settle_keyed(item, claim, answer).await
-                                }
-                                _ => Flow::Stop,
+                            let answer = answers.get_mut(i).and_then(Option::take);
+                            match claims.get(i) {
+                                Some(claim) => self.settle_keyed(item, claim, answer).await,
+                                None => Flow::Stop,
                             }
                         }
                         Kind::Unkeyed => self.run_unkeyed(item).await,
@@ -372,7 +373,14 @@ impl Worker {
     async fn claim_many(&mut self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>, Flow> {
         let mut backoff = Backoff::new(self.shared.settings.backoff);
         loop {
-            match self.shared.settings.engine.backend().claim_many(claims).await {
+            match self
+                .shared
+                .settings
+                .engine
+                .backend()
+                .claim_many(claims)
+                .await
+            {
                 Ok(a) if a.len() == claims.len() => return Ok(a),
                 Ok(a) => self.store_error(&idem_core::Error::corrupt(format!(
                     "claim_many answered {} outcomes for {} claims",
@@ -386,7 +394,7 @@ impl Worker {
     }
 
     /// One claim, retried with backoff while the store fails.
-    async fn claim(&mut self, claim: &Claim) -> Result<ClaimOutcome, Flow> {
+    pub(crate) async fn claim(&mut self, claim: &Claim) -> Result<ClaimOutcome, Flow> {
         let mut backoff = Backoff::new(self.shared.settings.backoff);
         loop {
             match self.shared.settings.engine.backend().claim(claim).await {
@@ -403,112 +411,6 @@ impl Worker {
             topic = %self.state.topic, partition = self.state.partition, error = %e,
             "store error: partition stalled until the store answers"
         );
-    }
-
-    /// Settles a keyed message from its claim's answer, asking again while the key is held
-    /// elsewhere or the store fails. Returns `Go` once the message is settled.
-    async fn settle_keyed(&mut self, item: &Item, claim: &Claim, answer: ClaimOutcome) -> Flow {
-        let mut answer = answer;
-        let mut backoff = Backoff::new(self.shared.settings.backoff);
-        let mut asked_again = false;
-        loop {
-            match answer {
-                ClaimOutcome::Completed(_) => {
-                    self.counters.replayed.increment(1);
-                    item.span.record("outcome", "replayed");
-                    return Flow::Go;
-                }
-                ClaimOutcome::Poisoned { attempts, error } => {
-                    self.counters.poisoned.increment(1);
-                    return self.dead_letter(item, Reason::Poisoned, &error, attempts).await;
-                }
-                ClaimOutcome::Mismatch => {
-                    let error = "the key is known with another payload";
-                    return self.dead_letter(item, Reason::Mismatch, error, 0).await;
-                }
-                ClaimOutcome::InProgress { owner, lease_until } => {
-                    // A duplicate earlier in this batch held the key a moment ago: ask
-                    // once more before waiting.
-                    let ours = owner == self.shared.settings.engine.owner();
-                    if !(ours && !asked_again) {
-                        self.counters.in_progress_waits.increment(1);
-                        let until_lapse = lease_until.since(Timestamp::now());
-                        let wait = backoff.next().min(until_lapse + Duration::from_millis(1));
-                        tracing::debug!(key = ?item.msg.key(), %owner, ?wait, "key in progress elsewhere: waiting");
-                        if let Err(flow) = self.stall(wait).await {
-                            return flow;
-                        }
-                    }
-                    asked_again = true;
-                }
-                ClaimOutcome::Acquired(lease) => match self.run_lease(item, claim, lease).await {
-                    Ran::Done => return Flow::Go,
-                    Ran::AskAgain => {}
-                    Ran::Wait => {
-                        if let Err(flow) = self.stall(backoff.next()).await {
-                            return flow;
-                        }
-                    }
-                    Ran::DeadLetter(attempts, error) => {
-                        self.counters.poisoned.increment(1);
-                        return self.dead_letter(item, Reason::Poisoned, &error, attempts).await;
-                    }
-                    Ran::Flow(flow) => return flow,
-                },
-            }
-            answer = match self.claim(claim).await {
-                Ok(a) => a,
-                Err(flow) => return flow,
-            };
-        }
-    }
-
-    /// Writes a dead letter, retrying until the broker acknowledges it.
-    pub(crate) async fn dead_letter(&mut self, item: &Item, reason: Reason, error: &str, attempts: u32) -> Flow {
-        let mut backoff = Backoff::new(self.shared.settings.backoff);
-        loop {
-            let letter = Letter {
-                message: &item.msg,
-                reason,
-                error,
-                attempts,
-            };
-            let sent = tokio::select! {
-                biased;
-                () = self.shared.dead.cancelled() => return Flow::Dead,
-                () = self.state.abandon.cancelled() => return Flow::Stop,
-                r = self.shared.dead_letters.send(&letter) => r,
-            };
-            match sent {
-                Ok(()) => {
-                    self.counters.dead_lettered.increment(1);
-                    item.span.record("outcome", "dead-lettered");
-                    tracing::warn!(parent: &item.span, reason = reason.as_str(), error, "dead-lettered");
-                    return Flow::Go;
-                }
-                Err(e) => {
-                    tracing::warn!(parent: &item.span, error = %e, "dead-letter write failed: partition stalled");
-                    if let Err(flow) = self.stall(backoff.next()).await {
-                        return flow;
-                    }
-                }
-            }
-        }
-    }
-
-    /// Gives back leases claimed for messages that will not run here (the partition was
-    /// revoked mid-batch): each is shortened to lapse at once, so the next owner of the
-    /// partition takes it over without waiting a whole lease.
-    async fn release(&self, answers: &mut [Option<ClaimOutcome>]) {
-        if self.shared.dead.is_cancelled() {
-            return;
-        }
-        let backend = self.shared.settings.engine.backend();
-        for answer in answers.iter_mut() {
-            if let Some(ClaimOutcome::Acquired(lease)) = answer.take() {
-                let _ = backend.extend(&lease, Duration::from_millis(1)).await;
-            }
-        }
     }
 
     /// Stores the offset after the last settled message, unless it is stored already or
@@ -558,17 +460,22 @@ impl Worker {
 
     /// Asks the probe, if any; a crash verdict kills the consumer. Says whether it did.
     pub(crate) fn probe(&self, point: Point, offset: i64) -> bool {
-        let Some(probe) = &self.shared.settings.probe else {
-            return false;
-        };
-        if probe.reached(point, &self.state.topic, self.state.partition, offset) == Verdict::Crash
-        {
-            if !self.shared.dead.is_cancelled() {
-                tracing::info!(?point, topic = %self.state.topic, partition = self.state.partition, offset, "probe: crash");
-                self.shared.crash();
-            }
-            return true;
-        }
-        false
+        probe_at(&self.shared, &self.state, point, offset)
     }
+}
+
+/// Asks the probe about `point` for the message at `offset` of `state`'s partition; a
+/// crash verdict kills the consumer. Says whether it did.
+pub(crate) fn probe_at(shared: &Shared, state: &PartitionState, point: Point, offset: i64) -> bool {
+    let Some(probe) = &shared.settings.probe else {
+        return false;
+    };
+    if probe.reached(point, &state.topic, state.partition, offset) == Verdict::Crash {
+        if !shared.dead.is_cancelled() {
+            tracing::info!(?point, topic = %state.topic, partition = state.partition, offset, "probe: crash");
+            shared.crash();
+        }
+        return true;
+    }
+    false
 }

@@ -14,10 +14,10 @@ use futures::future::BoxFuture;
 use idem_core::{Claim, ClaimOutcome, FailureKind, HandlerError, Lease, Outcome, Timestamp};
 use tracing::Instrument;
 
-use crate::config::HandlerResult;
+use crate::Message;
+use crate::config::{HandlerResult, Mode};
 use crate::partition::{Flow, Item, Worker};
 use crate::probe::Point;
-use crate::Message;
 
 /// Exponential backoff between two bounds.
 pub(crate) struct Backoff {
@@ -35,20 +35,6 @@ impl Backoff {
         self.next = (d * 2).min(self.max);
         d
     }
-}
-
-/// What became of a handler run under a lease.
-pub(crate) enum Ran {
-    /// Executed and stored: the message is settled.
-    Done,
-    /// Claim again at once (the lease was lost to a takeover).
-    AskAgain,
-    /// Claim again after a pause (a retryable failure, or a store error).
-    Wait,
-    /// The key is poisoned now: dead-letter with these attempts and error.
-    DeadLetter(u32, String),
-    /// Stop (revoked and abandoned) or die (crash).
-    Flow(Flow),
 }
 
 /// Where a running handler future lives, so that it can be moved to a task of its own if
@@ -86,7 +72,9 @@ impl Slot {
             runtime.spawn(
                 async move {
                     let _ = fut.await;
-                    tracing::warn!("handler finished after its partition was given up; its result is dropped");
+                    tracing::warn!(
+                        "handler finished after its partition was given up; its result is dropped"
+                    );
                 }
                 .instrument(span),
             );
@@ -129,8 +117,19 @@ impl Future for SlotFuture<'_> {
 }
 
 impl Worker {
-    fn start(&self, slot: &Arc<Slot>, msg: &Message, ctx: Option<idem_core::Context>) -> SlotFuture<'_> {
-        let fut = (self.shared.settings.handler)(msg.clone(), ctx);
+    fn start(
+        &self,
+        slot: &Arc<Slot>,
+        msg: &Message,
+        ctx: Option<idem_core::Context>,
+    ) -> SlotFuture<'_> {
+        let fut = match &self.shared.settings.mode {
+            Mode::Lease(handler) => handler(msg.clone(), ctx),
+            #[cfg(feature = "postgres")]
+            Mode::Transactional(_) => {
+                std::future::ready(Err(HandlerError::permanent("no lease-mode handler"))).boxed()
+            }
+        };
         *slot.lock() = SlotState::Running(fut);
         SlotFuture {
             slot: Arc::clone(slot),
@@ -140,27 +139,35 @@ impl Worker {
         }
     }
 
-    /// Runs the handler under `lease` through [`Engine::settle`](idem_core::Engine::settle).
-    pub(crate) async fn run_lease(&mut self, item: &Item, claim: &Claim, lease: Lease) -> Ran {
-        let backend = self.shared.settings.engine.backend().clone();
+    /// Settles a claim's answer through [`Engine::settle`](idem_core::Engine::settle):
+    /// under an acquired lease the handler runs (renewing a lease that waited in its
+    /// batch first); any other answer becomes its outcome. `Err` when the partition was
+    /// given up (the handler is moved to a task of its own) or the consumer crashed.
+    pub(crate) async fn run_lease(
+        &mut self,
+        item: &Item,
+        claim: &Claim,
+        answer: ClaimOutcome,
+    ) -> Result<idem_core::Result<Outcome>, Flow> {
+        let engine = self.shared.settings.engine.clone();
         let (msg, span) = (&item.msg, &item.span);
+        let lease = match answer {
+            ClaimOutcome::Acquired(lease) => lease,
+            other => {
+                let never = |_| std::future::ready(Err(HandlerError::permanent("not acquired")));
+                return Ok(engine.settle(other, never).await);
+            }
+        };
         // A lease claimed with its batch may have waited; renew it before running on it.
         if lease.lease_until.since(Timestamp::now()) < claim.lease_ttl / 2 {
-            match backend.extend(&lease, claim.lease_ttl).await {
+            match engine.backend().extend(&lease, claim.lease_ttl).await {
                 Ok(_) => {}
-                Err(e) if e.is_fenced() => {
-                    self.counters.fenced.increment(1);
-                    return Ran::AskAgain;
-                }
-                Err(e) => {
-                    self.store_error(&e);
-                    return Ran::Wait;
-                }
+                Err(e) if e.is_fenced() => return Ok(Ok(Outcome::Fenced)),
+                Err(e) => return Ok(Err(e)),
             }
         }
         let slot = Arc::new(Slot::default());
         let settled = {
-            let engine = &self.shared.settings.engine;
             let answer = ClaimOutcome::Acquired(lease.clone());
             let run = engine
                 .settle(answer, |ctx| self.start(&slot, msg, Some(ctx)))
@@ -172,66 +179,43 @@ impl Worker {
                 () = self.state.abandon.cancelled() => Err(Flow::Stop),
             }
         };
-        let result = match settled {
-            Ok(r) => r,
+        match settled {
             Err(flow) => {
                 if flow == Flow::Stop {
                     slot.detach(&self.shared.runtime, span.clone());
                 }
-                return Ran::Flow(flow);
+                Err(flow)
             }
-        };
-        match result {
-            Ok(Outcome::Executed(_)) => {
-                self.counters.executed.increment(1);
-                span.record("outcome", "executed");
-                Ran::Done
-            }
-            Ok(Outcome::Replayed(_)) => {
-                self.counters.replayed.increment(1);
-                span.record("outcome", "replayed");
-                Ran::Done
-            }
-            Ok(Outcome::Failed { attempts, error }) => {
-                tracing::debug!(parent: span, attempts, %error, "handler failed; retrying");
-                Ran::Wait
-            }
-            Ok(Outcome::Poisoned { attempts, error }) => Ran::DeadLetter(attempts, error),
-            Ok(Outcome::Fenced) => {
-                self.counters.fenced.increment(1);
-                tracing::warn!(parent: span, "lease lost while the handler ran; asking again");
-                Ran::AskAgain
-            }
-            Ok(_) => Ran::AskAgain,
-            Err(e) => {
-                self.store_error(&e);
-                match slot.response() {
-                    Some(response) => self.complete_again(&lease, claim, response, span).await,
-                    None => Ran::Wait,
+            Ok(Err(e)) => match slot.response() {
+                // The handler ran and returned, but storing its response failed.
+                Some(response) => {
+                    self.store_error(&e);
+                    self.complete_again(&lease, claim, response).await
                 }
-            }
+                None => Ok(Err(e)),
+            },
+            Ok(outcome) => Ok(outcome),
         }
     }
 
-    /// The handler ran and returned, but storing its response failed: store it again
-    /// under the same lease until the store answers (the handler does not run twice).
-    async fn complete_again(&mut self, lease: &Lease, claim: &Claim, response: Bytes, span: &tracing::Span) -> Ran {
+    /// Stores a handler's response again under the same lease until the store answers,
+    /// so a store outage after the side effect does not run the handler twice.
+    async fn complete_again(
+        &mut self,
+        lease: &Lease,
+        claim: &Claim,
+        response: Bytes,
+    ) -> Result<idem_core::Result<Outcome>, Flow> {
         let backend = self.shared.settings.engine.backend().clone();
-        let mut backoff = crate::run::Backoff::new(self.shared.settings.backoff);
+        let mut backoff = Backoff::new(self.shared.settings.backoff);
         loop {
-            if let Err(flow) = self.stall(backoff.next()).await {
-                return Ran::Flow(flow);
-            }
-            match backend.complete(lease, response.clone(), claim.retention).await {
-                Ok(()) => {
-                    self.counters.executed.increment(1);
-                    span.record("outcome", "executed");
-                    return Ran::Done;
-                }
-                Err(e) if e.is_fenced() => {
-                    self.counters.fenced.increment(1);
-                    return Ran::AskAgain;
-                }
+            self.stall(backoff.next()).await?;
+            match backend
+                .complete(lease, response.clone(), claim.retention)
+                .await
+            {
+                Ok(()) => return Ok(Ok(Outcome::Executed(response))),
+                Err(e) if e.is_fenced() => return Ok(Ok(Outcome::Fenced)),
                 Err(e) => self.store_error(&e),
             }
         }
@@ -273,10 +257,12 @@ impl Worker {
                 Ok(Ok(Err(e))) => e,
                 Ok(Err(_panic)) => HandlerError::retry("handler panicked"),
             };
-            if error.kind() == FailureKind::Permanent || attempt >= self.shared.settings.max_attempts {
+            if error.kind() == FailureKind::Permanent
+                || attempt >= self.shared.settings.max_attempts
+            {
                 self.counters.poisoned.increment(1);
                 return self
-                      .dead_letter(item, crate::dlq::Reason::Poisoned, error.message(), attempt)
+                    .dead_letter(item, crate::dlq::Reason::Poisoned, error.message(), attempt)
                     .await;
             }
             if let Err(flow) = self.stall(backoff.next()).await {
@@ -285,4 +271,3 @@ impl Worker {
         }
     }
 }
-

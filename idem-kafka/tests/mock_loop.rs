@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Effects, Out, Recorder, committed, consumer_config, engine, mock, produce, shutdown, unique};
+use common::{
+    Effects, Out, Recorder, committed, consumer_config, engine, mock, produce, shutdown, unique,
+};
 use idem_core::{Backend, HandlerError, Key, MemoryBackend, State};
 use idem_kafka::{IdemConsumer, KeySource};
 
@@ -20,11 +22,19 @@ async fn duplicate_is_replayed_not_rerun() {
     let brokers = cluster.bootstrap_servers();
     let mut msgs = Vec::new();
     for i in 0..20 {
-        msgs.push(Out::keyed(i % 2, &format!("pay-{i}"), &format!("amount {i}")));
+        msgs.push(Out::keyed(
+            i % 2,
+            &format!("pay-{i}"),
+            &format!("amount {i}"),
+        ));
     }
     // Every fourth payment sent again, on the same partition, same payload.
     for i in (0..20).step_by(4) {
-        msgs.push(Out::keyed(i % 2, &format!("pay-{i}"), &format!("amount {i}")));
+        msgs.push(Out::keyed(
+            i % 2,
+            &format!("pay-{i}"),
+            &format!("amount {i}"),
+        ));
     }
     produce(&brokers, &topic, &msgs).await;
 
@@ -109,7 +119,10 @@ async fn json_pointer_key_source() {
     task.await.unwrap().unwrap();
     assert_eq!((effects.distinct(), effects.total()), (5, 5));
     let key = Key::new("payments", "p3").unwrap();
-    assert_eq!(backend.get(&key).await.unwrap().unwrap().state, State::Completed);
+    assert_eq!(
+        backend.get(&key).await.unwrap().unwrap().state,
+        State::Completed
+    );
 }
 
 /// Payloads on one partition that each end a different way.
@@ -176,8 +189,16 @@ async fn bad_messages_end_in_the_dead_letter_topic_with_headers() {
 
     assert_eq!(effects.runs("a"), 1);
     assert_eq!(effects.runs("b"), 1);
-    assert_eq!(effects.runs("poison"), 1, "a permanent error is not retried");
-    assert_eq!(effects.runs("flaky"), 3, "a retryable error gets max_attempts runs");
+    assert_eq!(
+        effects.runs("poison"),
+        1,
+        "a permanent error is not retried"
+    );
+    assert_eq!(
+        effects.runs("flaky"),
+        3,
+        "a retryable error gets max_attempts runs"
+    );
     let letters = common::read_all(&brokers, &dlq, 1, 6, WAIT);
     assert_eq!(letters.len(), 6, "{letters:#?}");
     let expect = [
@@ -250,24 +271,37 @@ async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
     recorder.wait_settled(1, WAIT).await;
     let deadline = std::time::Instant::now() + WAIT;
     while committed(&brokers, &group, &topic, 1) != vec![1] {
-        assert!(std::time::Instant::now() < deadline, "offset 1 never committed");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "offset 1 never committed"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The partition waits on "held": for a while, nothing past it runs or is committed.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(recorder.settled_on(0).into_iter().collect::<Vec<_>>(), vec![0]);
+    assert_eq!(
+        recorder.settled_on(0).into_iter().collect::<Vec<_>>(),
+        vec![0]
+    );
     assert_eq!((effects.runs("held"), effects.runs("b")), (0, 0));
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![1]);
 
     // The holder finishes: the partition replays its answer and moves on.
     backend
-        .complete(&lease, Bytes::from_static(b"other's"), Duration::from_secs(3600))
+        .complete(
+            &lease,
+            Bytes::from_static(b"other's"),
+            Duration::from_secs(3600),
+        )
         .await
         .unwrap();
     recorder.wait_settled(3, WAIT).await;
     stop.cancel();
     task.await.unwrap().unwrap();
-    assert_eq!((effects.runs("a"), effects.runs("held"), effects.runs("b")), (1, 0, 1));
+    assert_eq!(
+        (effects.runs("a"), effects.runs("held"), effects.runs("b")),
+        (1, 0, 1)
+    );
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![3]);
 }
 
@@ -277,7 +311,9 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     let topic = unique("outage");
     let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
     let brokers = cluster.bootstrap_servers();
-    let first: Vec<Out> = (0..10).map(|i| Out::keyed(0, &format!("k{i}"), "x")).collect();
+    let first: Vec<Out> = (0..10)
+        .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
+        .collect();
     produce(&brokers, &topic, &first).await;
     let faulty = Faulty::new(MemoryBackend::new());
     faulty.set(Fault::Claim, true);
@@ -306,7 +342,11 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     );
     // The claim is failing: the partition stalls before running anything.
     let deadline = std::time::Instant::now() + WAIT;
-    while !recorder.points().iter().any(|p| p.0 == idem_kafka::Point::BeforeClaim) {
+    while !recorder
+        .points()
+        .iter()
+        .any(|p| p.0 == idem_kafka::Point::BeforeClaim)
+    {
         assert!(std::time::Instant::now() < deadline, "no claim attempted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -321,7 +361,9 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     // Now `complete` fails after the handler ran: the response is stored once the store
     // is back, and the handler does not run twice.
     faulty.set(Fault::Complete, true);
-    let second: Vec<Out> = (10..15).map(|i| Out::keyed(0, &format!("k{i}"), "x")).collect();
+    let second: Vec<Out> = (10..15)
+        .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
+        .collect();
     produce(&brokers, &topic, &second).await;
     let deadline = std::time::Instant::now() + WAIT;
     while effects.runs("k10") == 0 {
@@ -329,7 +371,11 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(recorder.settled_count(), 10, "nothing settles while complete fails");
+    assert_eq!(
+        recorder.settled_count(),
+        10,
+        "nothing settles while complete fails"
+    );
     assert_eq!(effects.total(), 11);
     faulty.set(Fault::Complete, false);
     recorder.wait_settled(15, WAIT).await;
@@ -391,9 +437,18 @@ async fn two_consumers_in_one_group_rebalance() {
     task_a.await.unwrap().unwrap();
     task_b.await.unwrap().unwrap();
 
-    assert!(a_runs.total() > 0 && b_runs.total() > 0, "a ran {}, b ran {}", a_runs.total(), b_runs.total());
+    assert!(
+        a_runs.total() > 0 && b_runs.total() > 0,
+        "a ran {}, b ran {}",
+        a_runs.total(),
+        b_runs.total()
+    );
     assert_eq!(effects.distinct(), 400);
-    assert_eq!(effects.total(), 400, "no message ran twice across the rebalance");
+    assert_eq!(
+        effects.total(),
+        400,
+        "no message ran twice across the rebalance"
+    );
     assert_eq!(committed(&brokers, &group, &topic, 4), vec![100; 4]);
 }
 
@@ -403,7 +458,9 @@ async fn failed_commits_are_retried() {
     let topic = unique("commit");
     let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
     let brokers = cluster.bootstrap_servers();
-    let msgs: Vec<Out> = (0..30).map(|i| Out::keyed(0, &format!("k{i}"), "x")).collect();
+    let msgs: Vec<Out> = (0..30)
+        .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
+        .collect();
     produce(&brokers, &topic, &msgs).await;
     cluster.request_errors(
         RDKafkaApiKey::OffsetCommit,
@@ -416,7 +473,11 @@ async fn failed_commits_are_retried() {
         IdemConsumer::builder(consumer_config(&brokers))
             .topics([topic.clone()])
             .group(group.clone())
-            .engine(engine(Arc::new(MemoryBackend::new()), "w1", Duration::from_secs(5)))
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
             .batch_size(5)
             .commit_interval(Duration::from_millis(50))
             .probe(recorder.clone())
@@ -433,7 +494,10 @@ async fn failed_commits_are_retried() {
     // The first commits failed; a later periodic commit carries the settled offset.
     let deadline = std::time::Instant::now() + WAIT;
     while committed(&brokers, &group, &topic, 1) != vec![30] {
-        assert!(std::time::Instant::now() < deadline, "offset 30 never committed");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "offset 30 never committed"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop.cancel();
@@ -483,7 +547,11 @@ async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
         IdemConsumer::builder(consumer_config(&brokers))
             .topics([topic.clone()])
             .group(group.clone())
-            .engine(engine(Arc::new(MemoryBackend::new()), "w1", Duration::from_secs(5)))
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
             .dead_letter_config(dlq_config)
             .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
             .commit_interval(Duration::from_millis(50))
@@ -500,7 +568,10 @@ async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
     recorder.wait_settled(1, WAIT).await;
     // The dead letter cannot be written: the partition holds at offset 1.
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    assert_eq!(recorder.settled_on(0).into_iter().collect::<Vec<_>>(), vec![0]);
+    assert_eq!(
+        recorder.settled_on(0).into_iter().collect::<Vec<_>>(),
+        vec![0]
+    );
     assert_eq!(effects.runs("b"), 0);
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![1]);
     cluster.broker_up(2).unwrap();
@@ -513,7 +584,10 @@ async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
     recorder.wait_settled(5, WAIT).await;
     stop.cancel();
     task.await.unwrap().unwrap();
-    assert_eq!((effects.runs("a"), effects.runs("b"), effects.runs("c")), (1, 1, 1));
+    assert_eq!(
+        (effects.runs("a"), effects.runs("b"), effects.runs("c")),
+        (1, 1, 1)
+    );
     let letters = common::read_all(&brokers, &dlq, 1, 2, WAIT);
     let offsets: Vec<&str> = letters
         .iter()

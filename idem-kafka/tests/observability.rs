@@ -27,8 +27,10 @@ struct Visitor<'a>(&'a mut Fields);
 
 impl Visit for Visitor<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        self.0
-            .insert(field.name().to_owned(), format!("{value:?}").trim_matches('"').to_owned());
+        self.0.insert(
+            field.name().to_owned(),
+            format!("{value:?}").trim_matches('"').to_owned(),
+        );
     }
     fn record_str(&mut self, field: &Field, value: &str) {
         self.0.insert(field.name().to_owned(), value.to_owned());
@@ -86,7 +88,11 @@ async fn spans_and_counters_follow_each_message() {
     // "held" is held by another worker until the test lets it go.
     let other = engine(backend.clone(), "other", Duration::from_secs(60));
     let held = Key::new(group.as_str(), "held").unwrap();
-    let lease = match backend.claim(&other.claim_for(&held, b"held")).await.unwrap() {
+    let lease = match backend
+        .claim(&other.claim_for(&held, b"held"))
+        .await
+        .unwrap()
+    {
         idem_core::ClaimOutcome::Acquired(l) => l,
         o => panic!("{o:?}"),
     };
@@ -119,11 +125,17 @@ async fn spans_and_counters_follow_each_message() {
                         "poison" => Err(HandlerError::permanent("never")),
                         // The record vanishes under the first run (as if an operator
                         // deleted it): its complete is fenced and the key runs again.
-                        "fence-me" if !fenced_once.swap(true, std::sync::atomic::Ordering::SeqCst) => {
+                        "fence-me"
+                            if !fenced_once.swap(true, std::sync::atomic::Ordering::SeqCst) =>
+                        {
                             store.delete(&key).await.map_err(HandlerError::retry)?;
                             Ok(Bytes::from_static(b"lost"))
                         }
-                        _ => Ok(Bytes::from(format!("{}:{}", key.id(), ctx.map_or(0, |c| c.token())))),
+                        _ => Ok(Bytes::from(format!(
+                            "{}:{}",
+                            key.id(),
+                            ctx.map_or(0, |c| c.token())
+                        ))),
                     }
                 }
             })
@@ -143,8 +155,13 @@ async fn spans_and_counters_follow_each_message() {
         assert!(std::time::Instant::now() < deadline, "no store errors");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    faulty.inner()
-        .complete(&lease, Bytes::from_static(b"other"), Duration::from_secs(3600))
+    faulty
+        .inner()
+        .complete(
+            &lease,
+            Bytes::from_static(b"other"),
+            Duration::from_secs(3600),
+        )
         .await
         .unwrap();
     faulty.set(Fault::Claim, false);
@@ -174,7 +191,10 @@ async fn spans_and_counters_follow_each_message() {
             .find(|f| f["offset"] == offset.to_string())
             .unwrap_or_else(|| panic!("no span for offset {offset}: {spans:?}"));
         assert_eq!(s["partition"], "0");
-        (s["key"].clone(), s.get("outcome").cloned().unwrap_or_default())
+        (
+            s["key"].clone(),
+            s.get("outcome").cloned().unwrap_or_default(),
+        )
     };
     let k = |id: &str| format!("{group}/{id}");
     assert_eq!(outcome(0), (k("k1"), "executed".into()));

@@ -51,7 +51,11 @@ pub async fn create_topics(brokers: &str, topics: &[(&str, i32)]) {
         .map(|(t, p)| NewTopic::new(t, *p, TopicReplication::Fixed(1)))
         .collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    for r in admin.create_topics(&new, &opts).await.expect("create topics") {
+    for r in admin
+        .create_topics(&new, &opts)
+        .await
+        .expect("create topics")
+    {
         r.expect("topic created");
     }
 }
@@ -147,7 +151,13 @@ pub struct Read {
 
 /// Reads every partition of `topic` from the beginning until `want` messages arrived or
 /// `timeout` passed.
-pub fn read_all(brokers: &str, topic: &str, partitions: i32, want: usize, timeout: Duration) -> Vec<Read> {
+pub fn read_all(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    want: usize,
+    timeout: Duration,
+) -> Vec<Read> {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", unique("reader"))
@@ -241,7 +251,12 @@ impl Recorder {
 
     /// How many distinct messages settled.
     pub fn settled_count(&self) -> usize {
-        self.settled.lock().unwrap().values().map(BTreeSet::len).sum()
+        self.settled
+            .lock()
+            .unwrap()
+            .values()
+            .map(BTreeSet::len)
+            .sum()
     }
 
     pub fn settled_on(&self, partition: i32) -> BTreeSet<i64> {
@@ -319,7 +334,10 @@ impl Effects {
 }
 
 /// A shutdown signal and its trigger.
-pub fn shutdown() -> (tokio_util::sync::CancellationToken, impl std::future::Future<Output = ()> + Send + 'static) {
+pub fn shutdown() -> (
+    tokio_util::sync::CancellationToken,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
     let token = tokio_util::sync::CancellationToken::new();
     let wait = token.clone();
     (token, async move { wait.cancelled().await })
@@ -372,4 +390,50 @@ pub fn log_from_env() {
             .with_test_writer()
             .try_init();
     }
+}
+
+/// A migrated PostgreSQL backend in a schema of its own, with a `ledger` table of
+/// (payment, token, instance) rows and no uniqueness, so a double effect would show.
+pub async fn postgres() -> (idem_postgres::PgBackend, String) {
+    let url = conformance::service_env("IDEM_POSTGRES_URL");
+    let schema = format!("kafkatest_{}_{}", std::process::id(), fastrand::u32(..));
+    let config = idem_postgres::PgConfig::new(url)
+        .schema(schema.clone())
+        .max_connections(30);
+    let backend = idem_postgres::PgBackend::connect(config)
+        .await
+        .expect("connect to IDEM_POSTGRES_URL");
+    backend.migrate().await.expect("migrate");
+    let ledger = format!("\"{schema}\".ledger");
+    let create = format!(
+        "CREATE TABLE {ledger} (payment text NOT NULL, token bigint NOT NULL, \
+         instance int NOT NULL, kind text NOT NULL DEFAULT '')"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(create))
+        .execute(backend.pool())
+        .await
+        .expect("create ledger");
+    (backend, ledger)
+}
+
+/// Rows per payment in `ledger`.
+pub async fn ledger_counts(
+    backend: &idem_postgres::PgBackend,
+    ledger: &str,
+) -> HashMap<String, i64> {
+    let q = format!("SELECT payment, count(*) FROM {ledger} GROUP BY payment");
+    sqlx::query_as::<_, (String, i64)>(sqlx::AssertSqlSafe(q))
+        .fetch_all(backend.pool())
+        .await
+        .expect("ledger counts")
+        .into_iter()
+        .collect()
+}
+
+/// Drops the schema of a test backend.
+pub async fn drop_schema(backend: &idem_postgres::PgBackend) {
+    let q = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", backend.schema());
+    let _ = sqlx::query(sqlx::AssertSqlSafe(q))
+        .execute(backend.pool())
+        .await;
 }
