@@ -200,9 +200,9 @@ impl Shared {
         let mut workers = self.lock_workers();
         for e in tpl.elements() {
             let tp: Tp = (Arc::from(e.topic()), e.partition());
-            if !workers.contains_key(&tp) {
-                let handle = self.spawn_worker(tp.clone());
-                workers.insert(tp, handle);
+            if let std::collections::hash_map::Entry::Vacant(slot) = workers.entry(tp) {
+                let handle = self.spawn_worker(slot.key().clone());
+                slot.insert(handle);
             }
         }
         drop(workers);

@@ -58,7 +58,7 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Spans {
     fn on_close(&self, id: Id, ctx: Context<'_, S>) {
         if let Some(span) = ctx.span(&id) {
             if let Some(fields) = span.extensions_mut().remove::<Fields>() {
-                self.0.lock().unwrap().push(fields);
+                self.0.lock().expect("lock").push(fields);
             }
         }
     }

@@ -253,7 +253,7 @@ impl Recorder {
     pub fn settled_count(&self) -> usize {
         self.settled
             .lock()
-            .unwrap()
+            .expect("lock")
             .values()
             .map(BTreeSet::len)
             .sum()
@@ -262,14 +262,14 @@ impl Recorder {
     pub fn settled_on(&self, partition: i32) -> BTreeSet<i64> {
         self.settled
             .lock()
-            .unwrap()
+            .expect("lock")
             .get(&partition)
             .cloned()
             .unwrap_or_default()
     }
 
     pub fn points(&self) -> Vec<(Point, i32, i64)> {
-        self.points.lock().unwrap().clone()
+        self.points.lock().expect("lock").clone()
     }
 
     /// Waits until `n` distinct messages settled; panics after `timeout`.
@@ -290,11 +290,11 @@ impl Recorder {
 
 impl Probe for Recorder {
     fn reached(&self, point: Point, _topic: &str, partition: i32, offset: i64) -> Verdict {
-        self.points.lock().unwrap().push((point, partition, offset));
+        self.points.lock().expect("lock").push((point, partition, offset));
         if point == Point::AfterSettle {
             self.settled
                 .lock()
-                .unwrap()
+                .expect("lock")
                 .entry(partition)
                 .or_default()
                 .insert(offset);
@@ -316,20 +316,20 @@ impl Effects {
     }
 
     pub fn apply(&self, id: &str) -> Bytes {
-        *self.runs.lock().unwrap().entry(id.to_owned()).or_default() += 1;
+        *self.runs.lock().expect("lock").entry(id.to_owned()).or_default() += 1;
         Bytes::from(format!("done {id}"))
     }
 
     pub fn runs(&self, id: &str) -> u32 {
-        self.runs.lock().unwrap().get(id).copied().unwrap_or(0)
+        self.runs.lock().expect("lock").get(id).copied().unwrap_or(0)
     }
 
     pub fn total(&self) -> u32 {
-        self.runs.lock().unwrap().values().sum()
+        self.runs.lock().expect("lock").values().sum()
     }
 
     pub fn distinct(&self) -> usize {
-        self.runs.lock().unwrap().len()
+        self.runs.lock().expect("lock").len()
     }
 }
 
@@ -364,7 +364,7 @@ pub fn counter(name: &str, topic: &str) -> u64 {
     let Some(snap) = SNAPSHOTTER.get() else {
         panic!("call install_metrics first");
     };
-    let mut totals = TOTALS.lock().unwrap();
+    let mut totals = TOTALS.lock().expect("lock");
     for (k, _, _, v) in snap.snapshot().into_vec() {
         let DebugValue::Counter(n) = v else { continue };
         let key = k.key();

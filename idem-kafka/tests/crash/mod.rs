@@ -55,6 +55,9 @@ impl Default for Plan {
     }
 }
 
+/// The payment id (none for a keyless message) at each produced position.
+type Positions = HashMap<(i32, i64), Option<String>>;
+
 /// One application of a payment's side effect, as the ledger saw it.
 #[derive(Clone, Debug)]
 pub struct Applied {
@@ -73,7 +76,7 @@ impl Ledger {
     pub fn apply(&self, id: &str, applied: Applied) {
         self.entries
             .lock()
-            .unwrap()
+            .expect("lock")
             .entry(id.to_owned())
             .or_default()
             .push(applied);
@@ -94,7 +97,7 @@ struct CrashProbe {
 
 impl CrashProbe {
     fn arm(&self, point: Point, countdown: u32) {
-        *self.armed.lock().unwrap() = Some((point, countdown));
+        *self.armed.lock().expect("lock") = Some((point, countdown));
     }
 }
 
@@ -103,13 +106,13 @@ impl Probe for CrashProbe {
         // A settle is real even when it reaches a consumer that is crashing.
         if point == Point::AfterSettle {
             self.mine.fetch_add(1, Ordering::Relaxed);
-            self.settled.lock().unwrap().insert((partition, offset));
-            self.settles.lock().unwrap().push((partition, offset));
+            self.settled.lock().expect("lock").insert((partition, offset));
+            self.settles.lock().expect("lock").push((partition, offset));
         }
         if self.fired.load(Ordering::SeqCst) {
             return Verdict::Crash;
         }
-        let mut armed = self.armed.lock().unwrap();
+        let mut armed = self.armed.lock().expect("lock");
         if let Some((p, left)) = armed.as_mut() {
             if *p == point {
                 *left -= 1;
@@ -216,7 +219,7 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
     let total = msgs.len();
     let mut dead_letters = DeadLetterWatch::new(brokers, &dlq);
     let mut pending = msgs.into_iter();
-    let ids: Arc<Mutex<HashMap<(i32, i64), Option<String>>>> = Arc::default();
+    let ids: Arc<Mutex<Positions>> = Arc::default();
     let mut all: BTreeSet<(i32, i64)> = BTreeSet::new();
 
     let settled = Arc::new(Mutex::new(HashSet::new()));
@@ -288,7 +291,7 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
                 pending.by_ref().take(left.div_ceil(ticks_left)).collect();
             let outs: Vec<Out> = wave.iter().map(|(_, o)| o.clone()).collect();
             let at = common::produce(brokers, &topic, &outs).await;
-            let mut ids = ids.lock().unwrap();
+            let mut ids = ids.lock().expect("lock");
             for (pos, (id, _)) in at.into_iter().zip(wave) {
                 ids.insert(pos, id);
                 all.insert(pos);
@@ -301,7 +304,7 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
         dead_letters.poll();
         if pending.len() == 0 && crashes_left == 0 {
             let open: Vec<(i32, i64)> = {
-                let settled = settled.lock().unwrap();
+                let settled = settled.lock().expect("lock");
                 all.iter()
                     .filter(|p| !settled.contains(p))
                     .copied()
@@ -309,10 +312,10 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
             };
             let mut done = true;
             for at in open {
-                let id = ids.lock().unwrap().get(&at).cloned().flatten();
+                let id = ids.lock().expect("lock").get(&at).cloned().flatten();
                 let completed = match id {
                     Some(id) if !is_poison(&id) => {
-                        let key = Key::new(group.as_str(), id.as_str()).unwrap();
+                        let key = Key::new(group.as_str(), id.as_str()).expect("key");
                         let rec = store.backend().get(&key).await.ok().flatten();
                         rec.is_some_and(|r| r.state == State::Completed)
                     }
@@ -325,13 +328,13 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
             }
         }
         if Instant::now() >= deadline {
-            let settled = settled.lock().unwrap();
+            let settled = settled.lock().expect("lock");
             let missing: Vec<_> = all
                 .iter()
                 .filter(|p| !settled.contains(p))
                 .take(10)
                 .collect();
-            let ids = ids.lock().unwrap();
+            let ids = ids.lock().expect("lock");
             let missing: Vec<_> = missing.iter().map(|p| (**p, ids.get(p).cloned())).collect();
             panic!(
                 "not settled in {:?}: {} of {} produced positions settled ({} of {total} \
@@ -387,7 +390,7 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
         inst.stop.cancel();
         inst.task.await.expect("consumer task").expect("clean stop");
     }
-    let ids = ids.lock().unwrap().clone();
+    let ids = ids.lock().expect("lock").clone();
     let poison_at: BTreeSet<(i32, i64)> = ids
         .iter()
         .filter(|(_, id)| id.as_deref().is_none_or(is_poison))
@@ -402,9 +405,9 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
     }
     for id in &payment_ids {
         let rec = backend
-            .get(&Key::new(group.as_str(), id.as_str()).unwrap())
+            .get(&Key::new(group.as_str(), id.as_str()).expect("key"))
             .await
-            .unwrap()
+            .expect("get")
             .unwrap_or_else(|| panic!("no record for {id}"));
         if is_poison(id) {
             assert_eq!(rec.state, State::Failed, "{id}");
@@ -465,7 +468,7 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
         }
     }
     let mut per_id: HashMap<&str, u64> = HashMap::new();
-    for pos in settles.lock().unwrap().iter() {
+    for pos in settles.lock().expect("lock").iter() {
         if let Some(Some(id)) = ids.get(pos) {
             *per_id.entry(id.as_str()).or_default() += 1;
         }
@@ -532,7 +535,7 @@ impl Store for LeaseStore {
     }
 
     fn effects(&self) -> BoxFuture<'_, HashMap<String, Vec<Applied>>> {
-        let entries = self.ledger.entries.lock().unwrap().clone();
+        let entries = self.ledger.entries.lock().expect("lock").clone();
         Box::pin(std::future::ready(entries))
     }
 
