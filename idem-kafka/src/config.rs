@@ -141,6 +141,7 @@ pub struct ConsumerBuilder {
     missing_key: MissingKey,
     partition_concurrency: Option<usize>,
     batch_size: usize,
+    buffer: Option<usize>,
     commit_interval: Duration,
     revoke_timeout: Duration,
     backoff: (Duration, Duration),
@@ -166,6 +167,7 @@ impl ConsumerBuilder {
             missing_key: MissingKey::default(),
             partition_concurrency: None,
             batch_size: 500,
+            buffer: None,
             commit_interval: Duration::from_secs(1),
             revoke_timeout: Duration::from_secs(10),
             backoff: (Duration::from_millis(20), Duration::from_secs(2)),
@@ -284,6 +286,14 @@ impl ConsumerBuilder {
     /// The most messages of one partition claimed in one round trip (default 500).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
+        self
+    }
+
+    /// How many fetched messages of one partition may wait for its worker before the
+    /// partition is paused in the client (default 20 batches). A stalled partition is
+    /// paused at once whatever this says.
+    pub fn max_buffered(mut self, n: usize) -> Self {
+        self.buffer = Some(n);
         self
     }
 
@@ -436,7 +446,10 @@ impl ConsumerBuilder {
             missing_key: self.missing_key,
             partition_concurrency: self.partition_concurrency,
             batch_size: self.batch_size,
-            buffer: self.batch_size.saturating_mul(2),
+            buffer: self
+                .buffer
+                .unwrap_or_else(|| self.batch_size.saturating_mul(20))
+                .max(self.batch_size),
             commit_interval: self.commit_interval,
             revoke_timeout: self.revoke_timeout,
             backoff: self.backoff,
@@ -459,5 +472,119 @@ impl fmt::Debug for ConsumerBuilder {
             .field("dead_letter", &self.dead_letter)
             .field("missing_key", &self.missing_key)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::MemoryBackend;
+
+    use super::*;
+
+    fn engine() -> Engine {
+        Engine::builder(Arc::new(MemoryBackend::new()))
+            .build()
+            .unwrap()
+    }
+
+    fn builder() -> ConsumerBuilder {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", "127.0.0.1:1");
+        ConsumerBuilder::new(config)
+            .topics(["payments"])
+            .group("billing")
+            .engine(engine())
+            .handler(|_, _| async { Ok(Bytes::new()) })
+    }
+
+    fn config_error(b: ConsumerBuilder) -> String {
+        match b.build() {
+            Err(Error::Config(message)) => message,
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn builds_with_forced_and_default_properties() {
+        let c = builder().build().unwrap();
+        let s = c.settings();
+        assert_eq!(s.consumer_config.get("enable.auto.commit"), Some("false"));
+        assert_eq!(
+            s.consumer_config.get("enable.auto.offset.store"),
+            Some("false")
+        );
+        assert_eq!(s.consumer_config.get("fetch.queue.backoff.ms"), Some("10"));
+        assert_eq!(s.consumer_config.get("group.id"), Some("billing"));
+        assert_eq!(
+            s.namespace, "billing",
+            "the namespace defaults to the group"
+        );
+        assert_eq!(s.producer_config.get("group.id"), None);
+        assert_eq!(
+            s.producer_config.get("bootstrap.servers"),
+            Some("127.0.0.1:1")
+        );
+        assert_eq!(s.dead_letter.for_topic("payments"), "payments.dlq");
+        assert!(s.fingerprint);
+        assert_eq!(s.missing_key, MissingKey::DeadLetter);
+    }
+
+    #[test]
+    fn keeps_what_the_caller_set() {
+        let mut config = ClientConfig::new();
+        config
+            .set("group.id", "from-config")
+            .set("fetch.queue.backoff.ms", "500");
+        let c = ConsumerBuilder::new(config)
+            .topics(["t"])
+            .namespace("ns")
+            .engine(engine())
+            .handler(|_, _| async { Ok(Bytes::new()) })
+            .build()
+            .unwrap();
+        let s = c.settings();
+        assert_eq!(s.group, "from-config");
+        assert_eq!(s.namespace, "ns");
+        assert_eq!(s.consumer_config.get("fetch.queue.backoff.ms"), Some("500"));
+    }
+
+    #[test]
+    fn refuses_what_breaks_the_consumer_rule_or_makes_no_sense() {
+        let mut auto = ClientConfig::new();
+        auto.set("enable.auto.commit", "true");
+        let b = ConsumerBuilder::new(auto)
+            .topics(["t"])
+            .group("g")
+            .engine(engine())
+            .handler(|_, _| async { Ok(Bytes::new()) });
+        assert!(config_error(b).contains("enable.auto.commit"));
+
+        let no_group = ConsumerBuilder::new(ClientConfig::new())
+            .topics(["t"])
+            .engine(engine())
+            .handler(|_, _| async { Ok(Bytes::new()) });
+        assert!(config_error(no_group).contains("group"));
+
+        assert!(config_error(builder().topics(Vec::<String>::new())).contains("topic"));
+        assert!(config_error(builder().batch_size(0)).contains("batch_size"));
+        assert!(config_error(builder().partition_concurrency(0)).contains("partition_concurrency"));
+        let backoff = builder().retry_backoff(Duration::from_secs(2), Duration::from_secs(1));
+        assert!(config_error(backoff).contains("retry_backoff"));
+        let same = builder().dead_letter_topic(DeadLetterTopic::Fixed("payments".into()));
+        assert!(config_error(same).contains("dead-letter"));
+        assert!(config_error(builder().namespace("a\0b")).contains("namespace"));
+        let pointer = builder().key_source(KeySource::json_pointer("id"));
+        assert!(config_error(pointer).contains("JSON pointer"));
+
+        let no_engine = ConsumerBuilder::new(ClientConfig::new())
+            .topics(["t"])
+            .group("g")
+            .handler(|_, _| async { Ok(Bytes::new()) });
+        assert!(config_error(no_engine).contains("engine"));
+        let no_handler = ConsumerBuilder::new(ClientConfig::new())
+            .topics(["t"])
+            .group("g")
+            .engine(engine());
+        assert!(config_error(no_handler).contains("handler"));
     }
 }

@@ -56,6 +56,11 @@ impl IdemConsumer {
         IdemConsumer { settings, shutdown }
     }
 
+    #[cfg(test)]
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
     /// Runs the loop until the shutdown signal resolves (then stops cleanly and returns
     /// `Ok`) or the client fails fatally. Needs a Tokio runtime; the client is polled on a
     /// thread of its own, so rebalance callbacks may wait for handlers on either runtime

@@ -275,14 +275,14 @@ impl Worker {
                 return Flow::Dead;
             }
             let mut next_claim = 0;
+            let began = Instant::now();
             for item in chunk.iter() {
                 let flow = if self.state.stop.is_cancelled() {
                     Flow::Stop
                 } else if self.shared.dead.is_cancelled() {
                     Flow::Dead
                 } else {
-                    let began = Instant::now();
-                    let flow = match &item.kind {
+                    match &item.kind {
                         Kind::Keyed => {
                             let i = next_claim;
                             next_claim += 1;
@@ -296,9 +296,7 @@ impl Worker {
                         Kind::Dead(reason, error) => {
                             self.dead_letter(item, *reason, error, 0).await
                         }
-                    };
-                    self.per_message = (self.per_message * 7 + began.elapsed()) / 8;
-                    flow
+                    }
                 };
                 if flow != Flow::Go {
                     self.release(&mut answers).await;
@@ -313,6 +311,8 @@ impl Worker {
                     return Flow::Dead;
                 }
             }
+            let each = began.elapsed() / u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+            self.per_message = (self.per_message * 7 + each) / 8;
             start = end;
         }
         Flow::Go

@@ -290,7 +290,10 @@ impl Recorder {
 
 impl Probe for Recorder {
     fn reached(&self, point: Point, _topic: &str, partition: i32, offset: i64) -> Verdict {
-        self.points.lock().expect("lock").push((point, partition, offset));
+        self.points
+            .lock()
+            .expect("lock")
+            .push((point, partition, offset));
         if point == Point::AfterSettle {
             self.settled
                 .lock()
@@ -316,12 +319,22 @@ impl Effects {
     }
 
     pub fn apply(&self, id: &str) -> Bytes {
-        *self.runs.lock().expect("lock").entry(id.to_owned()).or_default() += 1;
+        *self
+            .runs
+            .lock()
+            .expect("lock")
+            .entry(id.to_owned())
+            .or_default() += 1;
         Bytes::from(format!("done {id}"))
     }
 
     pub fn runs(&self, id: &str) -> u32 {
-        self.runs.lock().expect("lock").get(id).copied().unwrap_or(0)
+        self.runs
+            .lock()
+            .expect("lock")
+            .get(id)
+            .copied()
+            .unwrap_or(0)
     }
 
     pub fn total(&self) -> u32 {

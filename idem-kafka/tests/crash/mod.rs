@@ -106,7 +106,10 @@ impl Probe for CrashProbe {
         // A settle is real even when it reaches a consumer that is crashing.
         if point == Point::AfterSettle {
             self.mine.fetch_add(1, Ordering::Relaxed);
-            self.settled.lock().expect("lock").insert((partition, offset));
+            self.settled
+                .lock()
+                .expect("lock")
+                .insert((partition, offset));
             self.settles.lock().expect("lock").push((partition, offset));
         }
         if self.fired.load(Ordering::SeqCst) {
