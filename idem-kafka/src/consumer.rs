@@ -77,7 +77,8 @@ impl IdemConsumer {
             .map(|n| Arc::new(Semaphore::new(n)));
         let shared = Arc::new(Shared {
             settings,
-            runtime: tokio::runtime::Handle::current(),
+            runtime: tokio::runtime::Handle::try_current()
+                .map_err(|_| Error::Config("run() needs a Tokio runtime".into()))?,
             dead_letters,
             permits,
             workers: Mutex::new(HashMap::new()),

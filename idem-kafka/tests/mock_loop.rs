@@ -10,7 +10,7 @@ use bytes::Bytes;
 use common::{
     Effects, Out, Recorder, committed, consumer_config, engine, mock, produce, shutdown, unique,
 };
-use idem_core::{Backend, HandlerError, Key, MemoryBackend, State};
+use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
 use idem_kafka::{IdemConsumer, KeySource};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -595,4 +595,229 @@ async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
         .collect();
     assert_eq!(offsets, ["1", "3"]);
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![5]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partition_concurrency_bounds_handlers_across_partitions() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let run = |limit: Option<usize>| async move {
+        let topic = unique("conc");
+        let cluster = mock(1, &[(&topic, 4), (&format!("{topic}.dlq"), 1)]);
+        let brokers = cluster.bootstrap_servers();
+        let msgs: Vec<Out> = (0..24)
+            .map(|i| Out::keyed(i % 4, &format!("k{i}"), "x"))
+            .collect();
+        produce(&brokers, &topic, &msgs).await;
+        let (now, max) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let recorder = Recorder::new();
+        let (stop, signal) = shutdown();
+        let (n, m) = (now.clone(), max.clone());
+        let mut builder = IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(unique("g"))
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .batch_size(1)
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |_, _| {
+                let (n, m) = (n.clone(), m.clone());
+                async move {
+                    let running = n.fetch_add(1, Ordering::SeqCst) + 1;
+                    m.fetch_max(running, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    n.fetch_sub(1, Ordering::SeqCst);
+                    Ok(Bytes::new())
+                }
+            });
+        if let Some(limit) = limit {
+            builder = builder.partition_concurrency(limit);
+        }
+        let task = tokio::spawn(builder.build().unwrap().run());
+        recorder.wait_settled(24, WAIT).await;
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        max.load(Ordering::SeqCst)
+    };
+    assert_eq!(run(Some(1)).await, 1, "one partition at a time");
+    assert!(run(None).await > 1, "partitions run in parallel by default");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keyless_messages_can_be_processed_without_deduplication() {
+    let topic = unique("keyless");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let keyless = Out {
+        partition: Some(0),
+        payload: b"no key".to_vec(),
+        ..Out::default()
+    };
+    let msgs = [keyless.clone(), Out::keyed(0, "a", "1"), keyless];
+    produce(&brokers, &topic, &msgs).await;
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(unique("g"))
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .missing_key(idem_kafka::MissingKey::Process)
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, ctx| {
+                let fx = fx.clone();
+                async move {
+                    let id = match (msg.key(), ctx) {
+                        (Some(k), Some(_)) => k.id().to_owned(),
+                        (None, None) => "keyless".to_owned(),
+                        other => panic!("a key comes with a lease: {other:?}"),
+                    };
+                    Ok(fx.apply(&id))
+                }
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(3, WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(effects.runs("a"), 1);
+    assert_eq!(effects.runs("keyless"), 2, "no deduplication without a key");
+    assert!(
+        common::read_all(
+            &brokers,
+            &format!("{topic}.dlq"),
+            1,
+            1,
+            Duration::from_secs(2)
+        )
+        .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
+    use std::sync::Mutex;
+    let topic = unique("slow");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    produce(&brokers, &topic, &[Out::keyed(0, "slow", "x")]).await;
+    let group = unique("g");
+    let backend = Arc::new(MemoryBackend::new());
+    // Each run: (owner, claim kind, when it started, when it ended).
+    type Run = (
+        String,
+        idem_core::ClaimKind,
+        std::time::Instant,
+        Option<std::time::Instant>,
+    );
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let recorder = Recorder::new();
+    let start = |owner: &'static str| {
+        let (stop, signal) = shutdown();
+        let runs = runs.clone();
+        let consumer = IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(
+                Engine::builder(backend.clone())
+                    .owner(owner)
+                    .lease_ttl(Duration::from_secs(1))
+                    .build()
+                    .unwrap(),
+            )
+            .revoke_timeout(Duration::from_millis(200))
+            .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |_, ctx| {
+                let runs = runs.clone();
+                async move {
+                    let ctx = ctx.expect("lease");
+                    let i = {
+                        let mut runs = runs.lock().unwrap();
+                        runs.push((
+                            ctx.lease().owner.clone(),
+                            ctx.kind(),
+                            std::time::Instant::now(),
+                            None,
+                        ));
+                        runs.len() - 1
+                    };
+                    if ctx.kind() == idem_core::ClaimKind::First {
+                        tokio::time::sleep(Duration::from_secs(6)).await;
+                    }
+                    runs.lock().unwrap()[i].3 = Some(std::time::Instant::now());
+                    Ok(Bytes::from(ctx.lease().owner.clone()))
+                }
+            })
+            .build()
+            .unwrap();
+        (stop, tokio::spawn(consumer.run()))
+    };
+    let (stop_a, task_a) = start("a");
+    let deadline = std::time::Instant::now() + WAIT;
+    while runs.lock().unwrap().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the handler never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A second member: the partition is revoked from under the slow handler, which is
+    // given up after the revoke timeout. Its heartbeat stops: the lease lapses while the
+    // handler still runs.
+    let (stop_b, task_b) = start("b");
+    let key = Key::new(group.as_str(), "slow").unwrap();
+    loop {
+        let rec = backend.get(&key).await.unwrap().expect("claimed");
+        let lapsed = rec
+            .lease_until
+            .is_some_and(|until| until < idem_core::Timestamp::now());
+        if lapsed {
+            assert!(
+                runs.lock().unwrap()[0].3.is_none(),
+                "the first handler still runs"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lease never lapsed: {rec:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    recorder.wait_settled(1, WAIT).await;
+    stop_a.cancel();
+    stop_b.cancel();
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    let (first, takeover) = (&runs[0], &runs[1]);
+    assert_eq!(first.1, idem_core::ClaimKind::First);
+    assert_eq!(
+        takeover.1,
+        idem_core::ClaimKind::Takeover,
+        "its lease lapsed: no heartbeat"
+    );
+    let rec = backend.get(&key).await.unwrap().unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(
+        rec.response,
+        Some(Bytes::from(takeover.0.clone())),
+        "the takeover's result is stored"
+    );
 }
