@@ -257,6 +257,7 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
             .owner(format!("instance-{instance}"))
             .lease_ttl(plan.lease)
             .max_attempts(5)
+            .retention(Duration::from_secs(600))
             .build()
             .expect("engine");
         let stop = CancellationToken::new();
