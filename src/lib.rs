@@ -16,3 +16,7 @@ pub use idem_redis as redis;
 #[cfg(feature = "dynamo")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamo")))]
 pub use idem_dynamo as dynamo;
+
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub use idem_kafka as kafka;

@@ -1,0 +1,590 @@
+//! The builder and the settings it checks.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use idem_core::{Context, Engine, HandlerError, Key};
+use rdkafka::ClientConfig;
+
+use crate::{Error, IdemConsumer, KeySource, Message, Probe, Result};
+
+/// What a handler's future resolves to: the response bytes stored for duplicates, or a
+/// retryable or permanent [`HandlerError`].
+pub type HandlerResult = std::result::Result<Bytes, HandlerError>;
+
+pub(crate) type DynHandler =
+    Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;
+
+/// How messages are run: under a lease through the engine, or in a PostgreSQL
+/// transaction with the offset.
+pub(crate) enum Mode {
+    Lease(DynHandler),
+    #[cfg(feature = "postgres")]
+    Transactional(crate::transactional::Transactional),
+}
+
+impl Mode {
+    pub fn is_transactional(&self) -> bool {
+        !matches!(self, Mode::Lease(_))
+    }
+}
+
+/// What to do with a message whose key source finds no key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MissingKey {
+    /// Send it to the dead-letter topic (the default).
+    #[default]
+    DeadLetter,
+    /// Run the handler without a claim: no deduplication, no lease (`Context` is `None`),
+    /// logged at `warn`. A retryable error is retried in place, up to the engine's attempts;
+    /// a permanent one, or the last retry, dead-letters it.
+    Process,
+}
+
+/// Where dead letters go.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DeadLetterTopic {
+    /// `<topic>.dlq` for each source topic (the default).
+    #[default]
+    Suffix,
+    /// One topic for all.
+    Fixed(String),
+}
+
+impl DeadLetterTopic {
+    pub(crate) fn for_topic(&self, topic: &str) -> String {
+        match self {
+            DeadLetterTopic::Suffix => format!("{topic}.dlq"),
+            DeadLetterTopic::Fixed(t) => t.clone(),
+        }
+    }
+}
+
+/// Consumer-only librdkafka properties left out of the dead-letter producer's
+/// configuration (which otherwise copies the consumer's).
+const CONSUMER_ONLY: &[&str] = &[
+    "group.id",
+    "group.instance.id",
+    "group.protocol",
+    "group.protocol.type",
+    "group.remote.assignor",
+    "partition.assignment.strategy",
+    "session.timeout.ms",
+    "heartbeat.interval.ms",
+    "coordinator.query.interval.ms",
+    "max.poll.interval.ms",
+    "enable.auto.commit",
+    "auto.commit.interval.ms",
+    "enable.auto.offset.store",
+    "queued.min.messages",
+    "queued.max.messages.kbytes",
+    "fetch.wait.max.ms",
+    "fetch.queue.backoff.ms",
+    "fetch.message.max.bytes",
+    "max.partition.fetch.bytes",
+    "fetch.max.bytes",
+    "fetch.min.bytes",
+    "fetch.error.backoff.ms",
+    "isolation.level",
+    "enable.partition.eof",
+    "check.crcs",
+    "auto.offset.reset",
+    "allow.auto.create.topics",
+];
+
+/// The checked settings of an [`IdemConsumer`].
+pub(crate) struct Settings {
+    pub consumer_config: ClientConfig,
+    pub producer_config: ClientConfig,
+    pub topics: Vec<String>,
+    pub group: String,
+    pub namespace: String,
+    pub key_source: KeySource,
+    pub fingerprint: bool,
+    pub engine: Engine,
+    pub mode: Mode,
+    pub dead_letter: DeadLetterTopic,
+    pub missing_key: MissingKey,
+    pub partition_concurrency: Option<usize>,
+    pub batch_size: usize,
+    pub buffer: usize,
+    pub commit_interval: Duration,
+    pub revoke_timeout: Duration,
+    pub backoff: (Duration, Duration),
+    pub probe: Option<Arc<dyn Probe>>,
+    /// The engine's attempt limit, for messages processed without a key.
+    pub max_attempts: u32,
+    /// The engine's lease.
+    pub lease_ttl: Duration,
+}
+
+/// Builds an [`IdemConsumer`]. Required: topics, an engine and a handler; the group comes
+/// from [`ConsumerBuilder::group`] or the config's `group.id`.
+pub struct ConsumerBuilder {
+    config: ClientConfig,
+    producer_config: Option<ClientConfig>,
+    topics: Vec<String>,
+    group: Option<String>,
+    namespace: Option<String>,
+    key_source: KeySource,
+    fingerprint: bool,
+    engine: Option<Engine>,
+    handler: Option<DynHandler>,
+    #[cfg(feature = "postgres")]
+    transactional: Option<crate::transactional::Transactional>,
+    dead_letter: DeadLetterTopic,
+    missing_key: MissingKey,
+    partition_concurrency: Option<usize>,
+    batch_size: usize,
+    buffer: Option<usize>,
+    commit_interval: Duration,
+    revoke_timeout: Duration,
+    backoff: (Duration, Duration),
+    shutdown: Option<BoxFuture<'static, ()>>,
+    probe: Option<Arc<dyn Probe>>,
+}
+
+impl ConsumerBuilder {
+    pub(crate) fn new(config: ClientConfig) -> Self {
+        ConsumerBuilder {
+            config,
+            producer_config: None,
+            topics: Vec::new(),
+            group: None,
+            namespace: None,
+            key_source: KeySource::default(),
+            fingerprint: true,
+            engine: None,
+            handler: None,
+            #[cfg(feature = "postgres")]
+            transactional: None,
+            dead_letter: DeadLetterTopic::default(),
+            missing_key: MissingKey::default(),
+            partition_concurrency: None,
+            batch_size: 500,
+            buffer: None,
+            commit_interval: Duration::from_secs(1),
+            revoke_timeout: Duration::from_secs(10),
+            backoff: (Duration::from_millis(20), Duration::from_secs(2)),
+            shutdown: None,
+            probe: None,
+        }
+    }
+
+    /// The topics to subscribe to.
+    pub fn topics<I, S>(mut self, topics: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.topics = topics.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The consumer group (sets `group.id`).
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = Some(group.into());
+        self
+    }
+
+    /// The key namespace (default: the group id).
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
+    }
+
+    /// Where keys come from (default: the `idempotency-key` header).
+    pub fn key_source(mut self, source: KeySource) -> Self {
+        self.key_source = source;
+        self
+    }
+
+    /// Whether a claim carries the payload's fingerprint, so a different payload under a
+    /// known key is dead-lettered as a mismatch (default on; this setting wins over the
+    /// engine's).
+    pub fn fingerprint(mut self, on: bool) -> Self {
+        self.fingerprint = on;
+        self
+    }
+
+    /// The engine, over any backend; its owner, lease, heartbeat, retention and attempts
+    /// apply.
+    pub fn engine(mut self, engine: Engine) -> Self {
+        self.engine = Some(engine);
+        self
+    }
+
+    /// The handler. It gets the message and the lease's [`Context`] (its fencing token;
+    /// `None` only for a keyless message under [`MissingKey::Process`]) and returns the
+    /// response bytes, or a retryable or permanent [`HandlerError`].
+    pub fn handler<F, Fut>(mut self, handler: F) -> Self
+    where
+        F: Fn(Message, Option<Context>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = HandlerResult> + Send + 'static,
+    {
+        self.handler = Some(Arc::new(move |m, c| handler(m, c).boxed()));
+        self
+    }
+
+    /// Transactional mode over PostgreSQL, instead of [`ConsumerBuilder::handler`]: each
+    /// message's claim commits first on its own (counting the attempt), then `handler`
+    /// runs in an open transaction with the lease, and its writes, the `Completed` record
+    /// and the offset commit together. On assignment the consumer seeks to the offsets
+    /// stored in PostgreSQL. The engine, if set, gives the owner, lease, attempts and
+    /// retention; by default one over `backend` with the engine's defaults.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub fn transactional<F>(mut self, backend: idem_postgres::PgBackend, handler: F) -> Self
+    where
+        F: for<'t> Fn(
+                Message,
+                &'t mut idem_postgres::PgTransaction,
+                idem_core::Lease,
+            ) -> BoxFuture<'t, HandlerResult>
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.transactional = Some(crate::transactional::Transactional {
+            backend,
+            handler: Arc::new(handler),
+        });
+        self
+    }
+
+    /// The dead-letter topic (default `<topic>.dlq` per source topic). It must exist:
+    /// until a dead letter is acknowledged, its partition stalls.
+    pub fn dead_letter_topic(mut self, topic: DeadLetterTopic) -> Self {
+        self.dead_letter = topic;
+        self
+    }
+
+    /// The dead-letter producer's configuration (default: the consumer's, without the
+    /// consumer-only properties).
+    pub fn dead_letter_config(mut self, config: ClientConfig) -> Self {
+        self.producer_config = Some(config);
+        self
+    }
+
+    /// What to do with a message that has no key (default: dead-letter it).
+    pub fn missing_key(mut self, policy: MissingKey) -> Self {
+        self.missing_key = policy;
+        self
+    }
+
+    /// How many partitions may run handlers at once (default: every assigned partition).
+    pub fn partition_concurrency(mut self, n: usize) -> Self {
+        self.partition_concurrency = Some(n);
+        self
+    }
+
+    /// The most messages of one partition claimed in one round trip (default 500).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// How many fetched messages of one partition may wait for its worker before the
+    /// partition is paused in the client (default 20 batches). A stalled partition is
+    /// paused at once whatever this says.
+    pub fn max_buffered(mut self, n: usize) -> Self {
+        self.buffer = Some(n);
+        self
+    }
+
+    /// How often stored offsets are committed (default 1 s). They are also committed on
+    /// revoke and on shutdown.
+    pub fn commit_interval(mut self, every: Duration) -> Self {
+        self.commit_interval = every;
+        self
+    }
+
+    /// How long a revoke or a shutdown waits for in-flight handlers (default 10 s).
+    pub fn revoke_timeout(mut self, timeout: Duration) -> Self {
+        self.revoke_timeout = timeout;
+        self
+    }
+
+    /// The first and the longest pause of a stalled partition between retries (default
+    /// 20 ms and 2 s, doubling).
+    pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.backoff = (first, max);
+        self
+    }
+
+    /// Stops the loop when `signal` resolves: dispatching ends, in-flight handlers get
+    /// the revoke timeout, settled offsets are committed, and the client is closed.
+    pub fn shutdown(mut self, signal: impl Future<Output = ()> + Send + 'static) -> Self {
+        self.shutdown = Some(signal.boxed());
+        self
+    }
+
+    /// A crash-point probe, for fault-injection tests (see [`Probe`]).
+    pub fn probe(mut self, probe: Arc<dyn Probe>) -> Self {
+        self.probe = Some(probe);
+        self
+    }
+
+    /// The engine and the mode, from what was set.
+    fn mode(&mut self) -> Result<(Engine, Mode)> {
+        #[cfg(feature = "postgres")]
+        if let Some(tx) = self.transactional.take() {
+            if self.handler.is_some() {
+                return Err(Error::Config(
+                    "set either a handler or a transactional handler, not both".into(),
+                ));
+            }
+            let engine = match self.engine.take() {
+                Some(engine) => engine,
+                None => Engine::builder(Arc::new(tx.backend.clone())).build()?,
+            };
+            return Ok((engine, Mode::Transactional(tx)));
+        }
+        let engine = self
+            .engine
+            .take()
+            .ok_or_else(|| Error::Config("an engine is required".into()))?;
+        let handler = self
+            .handler
+            .take()
+            .ok_or_else(|| Error::Config("a handler is required".into()))?;
+        Ok((engine, Mode::Lease(handler)))
+    }
+
+    /// Checks the settings and builds the consumer; the Kafka client is created by
+    /// [`IdemConsumer::run`].
+    pub fn build(mut self) -> Result<IdemConsumer> {
+        let mut config = std::mem::take(&mut self.config);
+        if let Some(group) = &self.group {
+            config.set("group.id", group);
+        }
+        let group = match config.get("group.id") {
+            Some(g) if !g.is_empty() => g.to_owned(),
+            _ => return Err(Error::Config("a group is required (group.id)".into())),
+        };
+        for (prop, why) in [
+            ("enable.auto.commit", "idem-kafka commits itself"),
+            (
+                "enable.auto.offset.store",
+                "offsets are stored only for settled messages",
+            ),
+        ] {
+            match config.get(prop) {
+                None | Some("false") => {}
+                Some(v) => return Err(Error::Config(format!("{prop}={v}: must be false, {why}"))),
+            }
+            config.set(prop, "false");
+        }
+        if config.get("fetch.queue.backoff.ms").is_none() {
+            config.set("fetch.queue.backoff.ms", "10");
+        }
+        if self.topics.is_empty() || self.topics.iter().any(String::is_empty) {
+            return Err(Error::Config(
+                "at least one non-empty topic is required".into(),
+            ));
+        }
+        let namespace = self.namespace.take().unwrap_or_else(|| group.clone());
+        Key::new(namespace.clone(), "probe")
+            .map_err(|e| Error::Config(format!("namespace {namespace:?}: {e}")))?;
+        self.key_source.check().map_err(Error::Config)?;
+        let (engine, mode) = self.mode()?;
+        if self.batch_size == 0 {
+            return Err(Error::Config("batch_size must be at least 1".into()));
+        }
+        if self.partition_concurrency == Some(0) {
+            return Err(Error::Config(
+                "partition_concurrency must be at least 1".into(),
+            ));
+        }
+        let (first, max) = self.backoff;
+        if first.is_zero() || max < first {
+            return Err(Error::Config(format!(
+                "retry_backoff: first ({first:?}) must be above zero and at most max ({max:?})"
+            )));
+        }
+        if self.commit_interval.is_zero() {
+            return Err(Error::Config("commit_interval must be above zero".into()));
+        }
+        if let DeadLetterTopic::Fixed(t) = &self.dead_letter {
+            if t.is_empty() || self.topics.contains(t) {
+                return Err(Error::Config(format!(
+                    "dead-letter topic {t:?} must be non-empty and not a source topic"
+                )));
+            }
+        }
+        if mode.is_transactional() && self.missing_key == MissingKey::Process {
+            return Err(Error::Config(
+                "transactional mode needs a key for every message: MissingKey::Process is \
+                 not available"
+                    .into(),
+            ));
+        }
+        let producer_config = self.producer_config.unwrap_or_else(|| {
+            let mut p = config.clone();
+            for prop in CONSUMER_ONLY {
+                p.remove(prop);
+            }
+            p
+        });
+        let sample = engine.claim_for(&Key::new(namespace.clone(), "probe")?, b"");
+        let settings = Settings {
+            consumer_config: config,
+            producer_config,
+            topics: self.topics,
+            group,
+            namespace,
+            key_source: self.key_source,
+            fingerprint: self.fingerprint,
+            engine,
+            mode,
+            dead_letter: self.dead_letter,
+            missing_key: self.missing_key,
+            partition_concurrency: self.partition_concurrency,
+            batch_size: self.batch_size,
+            buffer: self
+                .buffer
+                .unwrap_or_else(|| self.batch_size.saturating_mul(20))
+                .max(self.batch_size),
+            commit_interval: self.commit_interval,
+            revoke_timeout: self.revoke_timeout,
+            backoff: self.backoff,
+            probe: self.probe,
+            max_attempts: sample.max_attempts,
+            lease_ttl: sample.lease_ttl,
+        };
+        Ok(IdemConsumer::new(settings, self.shutdown))
+    }
+}
+
+impl fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("topics", &self.topics)
+            .field("group", &self.group)
+            .field("namespace", &self.namespace)
+            .field("key_source", &self.key_source)
+            .field("fingerprint", &self.fingerprint)
+            .field("dead_letter", &self.dead_letter)
+            .field("missing_key", &self.missing_key)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::MemoryBackend;
+
+    use super::*;
+
+    fn engine() -> Engine {
+        Engine::builder(Arc::new(MemoryBackend::new()))
+            .build()
+            .unwrap()
+    }
+
+    fn builder() -> ConsumerBuilder {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", "127.0.0.1:1");
+        ConsumerBuilder::new(config)
+            .topics(["payments"])
+            .group("billing")
+            .engine(engine())
+            .handler(|_, _| async { Ok(Bytes::new()) })
+    }
+
+    fn config_error(b: ConsumerBuilder) -> String {
+        match b.build() {
+            Err(Error::Config(message)) => message,
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn builds_with_forced_and_default_properties() {
+        let c = builder().build().unwrap();
+        let s = c.settings();
+        assert_eq!(s.consumer_config.get("enable.auto.commit"), Some("false"));
+        assert_eq!(
+            s.consumer_config.get("enable.auto.offset.store"),
+            Some("false")
+        );
+        assert_eq!(s.consumer_config.get("fetch.queue.backoff.ms"), Some("10"));
+        assert_eq!(s.consumer_config.get("group.id"), Some("billing"));
+        assert_eq!(
+            s.namespace, "billing",
+            "the namespace defaults to the group"
+        );
+        assert_eq!(s.producer_config.get("group.id"), None);
+        assert_eq!(
+            s.producer_config.get("bootstrap.servers"),
+            Some("127.0.0.1:1")
+        );
+        assert_eq!(s.dead_letter.for_topic("payments"), "payments.dlq");
+        assert!(s.fingerprint);
+        assert_eq!(s.missing_key, MissingKey::DeadLetter);
+    }
+
+    #[test]
+    fn keeps_what_the_caller_set() {
+        let mut config = ClientConfig::new();
+        config
+            .set("group.id", "from-config")
+            .set("fetch.queue.backoff.ms", "500");
+        let c = ConsumerBuilder::new(config)
+            .topics(["t"])
+            .namespace("ns")
+            .engine(engine())
+            .handler(|_, _| async { Ok(Bytes::new()) })
+            .build()
+            .unwrap();
+        let s = c.settings();
+        assert_eq!(s.group, "from-config");
+        assert_eq!(s.namespace, "ns");
+        assert_eq!(s.consumer_config.get("fetch.queue.backoff.ms"), Some("500"));
+    }
+
+    #[test]
+    fn refuses_what_breaks_the_consumer_rule_or_makes_no_sense() {
+        let mut auto = ClientConfig::new();
+        auto.set("enable.auto.commit", "true");
+        let b = ConsumerBuilder::new(auto)
+            .topics(["t"])
+            .group("g")
+            .engine(engine())
+            .handler(|_, _| async { Ok(Bytes::new()) });
+        assert!(config_error(b).contains("enable.auto.commit"));
+
+        let no_group = ConsumerBuilder::new(ClientConfig::new())
+            .topics(["t"])
+            .engine(engine())
+            .handler(|_, _| async { Ok(Bytes::new()) });
+        assert!(config_error(no_group).contains("group"));
+
+        assert!(config_error(builder().topics(Vec::<String>::new())).contains("topic"));
+        assert!(config_error(builder().batch_size(0)).contains("batch_size"));
+        assert!(config_error(builder().partition_concurrency(0)).contains("partition_concurrency"));
+        let backoff = builder().retry_backoff(Duration::from_secs(2), Duration::from_secs(1));
+        assert!(config_error(backoff).contains("retry_backoff"));
+        let same = builder().dead_letter_topic(DeadLetterTopic::Fixed("payments".into()));
+        assert!(config_error(same).contains("dead-letter"));
+        assert!(config_error(builder().namespace("a\0b")).contains("namespace"));
+        let pointer = builder().key_source(KeySource::json_pointer("id"));
+        assert!(config_error(pointer).contains("JSON pointer"));
+
+        let no_engine = ConsumerBuilder::new(ClientConfig::new())
+            .topics(["t"])
+            .group("g")
+            .handler(|_, _| async { Ok(Bytes::new()) });
+        assert!(config_error(no_engine).contains("engine"));
+        let no_handler = ConsumerBuilder::new(ClientConfig::new())
+            .topics(["t"])
+            .group("g")
+            .engine(engine());
+        assert!(config_error(no_handler).contains("handler"));
+    }
+}

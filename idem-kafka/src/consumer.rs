@@ -1,0 +1,433 @@
+//! The consumer: the poll thread, routing to partition workers, rebalance and commits.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use rdkafka::ClientConfig;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::message::{BorrowedMessage, Message as _};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, TopicPartitionList};
+use tokio::sync::{Semaphore, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::dlq::DeadLetters;
+use crate::partition::{Worker, WorkerHandle};
+use crate::{ConsumerBuilder, Error, Result};
+
+/// How long one poll of the client blocks; also how quickly the poll thread notices a
+/// shutdown.
+const POLL: Duration = Duration::from_millis(50);
+
+/// A topic and partition.
+pub(crate) type Tp = (Arc<str>, i32);
+
+/// An effectively-once Kafka consumer: built by [`IdemConsumer::builder`], driven by
+/// [`IdemConsumer::run`].
+pub struct IdemConsumer {
+    settings: Settings,
+    shutdown: Option<BoxFuture<'static, ()>>,
+}
+
+impl std::fmt::Debug for IdemConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdemConsumer")
+            .field("topics", &self.settings.topics)
+            .field("group", &self.settings.group)
+            .field("namespace", &self.settings.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdemConsumer {
+    /// Starts a builder over `config`, the rdkafka client configuration
+    /// (`bootstrap.servers` and anything else librdkafka accepts).
+    pub fn builder(config: ClientConfig) -> ConsumerBuilder {
+        ConsumerBuilder::new(config)
+    }
+
+    pub(crate) fn new(settings: Settings, shutdown: Option<BoxFuture<'static, ()>>) -> Self {
+        IdemConsumer { settings, shutdown }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// Runs the loop until the shutdown signal resolves (then stops cleanly and returns
+    /// `Ok`) or the client fails fatally. Needs a Tokio runtime; the client is polled on a
+    /// thread of its own, so rebalance callbacks may wait for handlers on either runtime
+    /// flavor.
+    ///
+    /// Dropping this future without the signal is a crash: nothing more is stored or
+    /// committed, and the client is closed without a commit.
+    pub async fn run(self) -> Result<()> {
+        let IdemConsumer { settings, shutdown } = self;
+        let dead_letters =
+            DeadLetters::new(&settings.producer_config, settings.dead_letter.clone())?;
+        let permits = settings
+            .partition_concurrency
+            .map(|n| Arc::new(Semaphore::new(n)));
+        let shared = Arc::new(Shared {
+            settings,
+            runtime: tokio::runtime::Handle::try_current()
+                .map_err(|_| Error::Config("run() needs a Tokio runtime".into()))?,
+            dead_letters,
+            permits,
+            workers: Mutex::new(HashMap::new()),
+            consumer: OnceLock::new(),
+            dead: CancellationToken::new(),
+            gate: Mutex::new(()),
+            dirty: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+        });
+        let consumer: BaseConsumer<LoopContext> = shared
+            .settings
+            .consumer_config
+            .create_with_context(LoopContext {
+                shared: Arc::clone(&shared),
+            })
+            .map_err(|e| Error::kafka("creating the consumer", e))?;
+        let topics: Vec<&str> = shared.settings.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&topics)
+            .map_err(|e| Error::kafka("subscribing", e))?;
+        let consumer = Arc::new(consumer);
+        let _ = shared.consumer.set(Arc::downgrade(&consumer));
+
+        let guard = CrashOnDrop(Some(Arc::clone(&shared)));
+        let (done_tx, mut done_rx) = oneshot::channel();
+        let poller = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("idem-kafka-poll".into())
+            .spawn(move || {
+                let result = poll_loop(&poller, consumer);
+                let _ = done_tx.send(result);
+            })
+            .map_err(|e| Error::Thread(e.to_string()))?;
+
+        let shutdown = shutdown.unwrap_or_else(|| Box::pin(std::future::pending()));
+        let result = tokio::select! {
+            r = &mut done_rx => r,
+            () = shutdown => {
+                shared.stopping.store(true, Ordering::SeqCst);
+                done_rx.await
+            }
+        };
+        guard.disarm();
+        result.map_err(|_| Error::Thread("the poll thread ended without a result".into()))?
+    }
+}
+
+/// Marks the consumer dead if `run` is dropped before it finished: a crash.
+struct CrashOnDrop(Option<Arc<Shared>>);
+
+impl CrashOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CrashOnDrop {
+    fn drop(&mut self) {
+        if let Some(shared) = self.0.take() {
+            shared.crash();
+            for (_, w) in shared.lock_workers().drain() {
+                w.abort();
+            }
+        }
+    }
+}
+
+/// State shared by the poll thread, the rebalance callbacks and the partition workers.
+pub(crate) struct Shared {
+    pub settings: Settings,
+    pub runtime: tokio::runtime::Handle,
+    pub dead_letters: DeadLetters,
+    pub permits: Option<Arc<Semaphore>>,
+    workers: Mutex<HashMap<Tp, WorkerHandle>>,
+    consumer: OnceLock<Weak<BaseConsumer<LoopContext>>>,
+    /// Cancelled at a crash: nothing is stored or committed after it.
+    pub dead: CancellationToken,
+    /// Held while committing and while crashing, so no commit starts after a crash.
+    gate: Mutex<()>,
+    /// Offsets were stored since the last commit.
+    pub dirty: AtomicBool,
+    stopping: AtomicBool,
+}
+
+impl Shared {
+    fn lock_workers(&self) -> MutexGuard<'_, HashMap<Tp, WorkerHandle>> {
+        self.workers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The consumer, while it exists.
+    pub fn consumer(&self) -> Option<Arc<BaseConsumer<LoopContext>>> {
+        self.consumer.get().and_then(Weak::upgrade)
+    }
+
+    /// Behaves as if the process died now.
+    pub fn crash(&self) {
+        let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        self.dead.cancel();
+    }
+
+    fn commit(&self, consumer: &BaseConsumer<LoopContext>, mode: CommitMode) {
+        let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        if self.dead.is_cancelled() {
+            return;
+        }
+        self.dirty.store(false, Ordering::SeqCst);
+        match consumer.commit_consumer_state(mode) {
+            Ok(()) => {}
+            Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+            Err(e) => {
+                self.dirty.store(true, Ordering::SeqCst);
+                tracing::warn!(error = %e, "offset commit failed; retrying at the next commit");
+            }
+        }
+    }
+
+    fn spawn_worker(self: &Arc<Self>, tp: Tp) -> WorkerHandle {
+        let (worker, handle) = Worker::new(Arc::clone(self), tp);
+        let task = self.runtime.spawn(worker.run());
+        handle.with_task(task)
+    }
+
+    /// Creates workers for newly assigned partitions and makes sure they are not paused.
+    fn assign(self: &Arc<Self>, consumer: &BaseConsumer<LoopContext>, tpl: &TopicPartitionList) {
+        let mut workers = self.lock_workers();
+        for e in tpl.elements() {
+            let tp: Tp = (Arc::from(e.topic()), e.partition());
+            if let std::collections::hash_map::Entry::Vacant(slot) = workers.entry(tp) {
+                let handle = self.spawn_worker(slot.key().clone());
+                slot.insert(handle);
+            }
+        }
+        drop(workers);
+        if let Err(e) = consumer.resume(tpl) {
+            tracing::debug!(error = %e, "resume after assign");
+        }
+    }
+
+    /// Stops dispatching for `tps`, waits a bounded time for in-flight handlers, then
+    /// commits what is settled.
+    fn revoke(&self, consumer: &BaseConsumer<LoopContext>, tps: &[Tp]) {
+        let handles: Vec<WorkerHandle> = {
+            let mut workers = self.lock_workers();
+            tps.iter().filter_map(|tp| workers.remove(tp)).collect()
+        };
+        if self.dead.is_cancelled() {
+            handles.iter().for_each(WorkerHandle::abort);
+            return;
+        }
+        for h in &handles {
+            h.state.stop.cancel();
+        }
+        let deadline = Instant::now() + self.settings.revoke_timeout;
+        for h in &handles {
+            if !h.wait_until(deadline) {
+                tracing::warn!(
+                    topic = %h.state.topic, partition = h.state.partition,
+                    timeout = ?self.settings.revoke_timeout,
+                    "handler still running at revoke: its heartbeat stops and its lease lapses"
+                );
+                h.state.abandon.cancel();
+                if !h.wait_until(Instant::now() + Duration::from_secs(1)) {
+                    h.abort();
+                }
+            }
+        }
+        self.commit(consumer, CommitMode::Sync);
+    }
+
+    fn all_partitions(&self) -> Vec<Tp> {
+        self.lock_workers().keys().cloned().collect()
+    }
+
+    /// The worker of `tp`, created if the assignment callback has not made it.
+    fn route(self: &Arc<Self>, tp: &Tp, message: &BorrowedMessage<'_>) {
+        let mut workers = self.lock_workers();
+        let handle = workers
+            .entry(tp.clone())
+            .or_insert_with(|| self.spawn_worker(tp.clone()));
+        handle.send(message, self);
+    }
+}
+
+/// The rdkafka context: rebalance and commit callbacks.
+pub(crate) struct LoopContext {
+    shared: Arc<Shared>,
+}
+
+impl ClientContext for LoopContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        log_to_tracing(level, fac, message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(target: "librdkafka", %error, reason, "client error");
+    }
+}
+
+/// librdkafka's log lines, as `tracing` events with target `librdkafka`.
+pub(crate) fn log_to_tracing(level: RDKafkaLogLevel, fac: &str, message: &str) {
+    match level {
+        RDKafkaLogLevel::Emerg
+        | RDKafkaLogLevel::Alert
+        | RDKafkaLogLevel::Critical
+        | RDKafkaLogLevel::Error => tracing::error!(target: "librdkafka", fac, "{message}"),
+        RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", fac, "{message}"),
+        RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+            tracing::info!(target: "librdkafka", fac, "{message}")
+        }
+        RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", fac, "{message}"),
+    }
+}
+
+impl ConsumerContext for LoopContext {
+    /// Revoke: stop dispatching, wait for in-flight handlers, commit what is settled, then
+    /// unassign. Assign: in transactional mode set the offsets stored in PostgreSQL, then
+    /// assign and start a worker per partition.
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let result = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                tracing::info!(partitions = tpl.count(), "partitions assigned");
+                #[cfg(feature = "postgres")]
+                crate::transactional::seek_to_stored(&self.shared, tpl);
+                let r = if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                };
+                if !self.shared.dead.is_cancelled() {
+                    self.shared.assign(consumer, tpl);
+                }
+                r
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                let tps: Vec<Tp> = tpl
+                    .elements()
+                    .iter()
+                    .map(|e| (Arc::from(e.topic()), e.partition()))
+                    .collect();
+                tracing::info!(partitions = tps.len(), "partitions revoked");
+                self.shared.revoke(consumer, &tps);
+                if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                }
+            }
+            other => {
+                tracing::warn!(error = ?other, "rebalance error");
+                let all = self.shared.all_partitions();
+                self.shared.revoke(consumer, &all);
+                if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                }
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "assign or unassign failed");
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        match result {
+            Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+            Err(e) => {
+                self.shared.dirty.store(true, Ordering::SeqCst);
+                tracing::warn!(error = %e, "offset commit failed; retrying at the next commit");
+            }
+        }
+    }
+}
+
+/// The poll thread: routes messages, commits periodically, and on shutdown revokes
+/// everything, commits and closes the client. The client is dropped here, on this thread.
+fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> Result<()> {
+    let mut last_commit = Instant::now();
+    let mut cache: Option<Tp> = None;
+    let result = loop {
+        if shared.dead.is_cancelled() {
+            break Ok(());
+        }
+        if shared.stopping.load(Ordering::SeqCst) {
+            let all = shared.all_partitions();
+            shared.revoke(&consumer, &all);
+            break Ok(());
+        }
+        match consumer.poll(POLL) {
+            None => {}
+            Some(Ok(m)) => {
+                let tp = match &cache {
+                    Some(tp) if tp.1 == m.partition() && *tp.0 == *m.topic() => tp.clone(),
+                    _ => {
+                        let tp: Tp = (Arc::from(m.topic()), m.partition());
+                        cache = Some(tp.clone());
+                        tp
+                    }
+                };
+                shared.route(&tp, &m);
+            }
+            Some(Err(KafkaError::MessageConsumptionFatal(code))) => {
+                break Err(Error::kafka(
+                    "consuming",
+                    KafkaError::MessageConsumptionFatal(code),
+                ));
+            }
+            Some(Err(e)) => tracing::warn!(error = %e, "consumer error"),
+        }
+        if last_commit.elapsed() >= shared.settings.commit_interval {
+            last_commit = Instant::now();
+            if shared.dirty.load(Ordering::SeqCst) {
+                shared.commit(&consumer, CommitMode::Async);
+            }
+        }
+    };
+    close(shared, consumer);
+    result
+}
+
+/// Drops the client on this thread once no worker holds it (a worker's upgrade of its
+/// weak handle is brief). Closing runs the revoke callback, which commits unless dead.
+fn close(shared: &Shared, consumer: Arc<BaseConsumer<LoopContext>>) {
+    let start = Instant::now();
+    while Arc::strong_count(&consumer) > 1 && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let dead = shared.dead.is_cancelled();
+    if dead {
+        tracing::debug!("closing the consumer after a crash: no commit");
+    }
+    drop(consumer);
+    if let (true, Some(probe)) = (dead, &shared.settings.probe) {
+        probe.closed();
+    }
+}
+
+/// A one-partition list, for pause and resume calls.
+pub(crate) fn tp_list(topic: &str, partition: i32) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::with_capacity(1);
+    tpl.add_partition(topic, partition);
+    tpl
+}

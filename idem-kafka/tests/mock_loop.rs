@@ -1,0 +1,823 @@
+//! Loop tests on librdkafka's in-process MockCluster, with the in-memory backend (the
+//! embedded real backend) as the store.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{
+    Effects, Out, Recorder, committed, consumer_config, engine, mock, produce, shutdown, unique,
+};
+use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
+use idem_kafka::{IdemConsumer, KeySource};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicate_is_replayed_not_rerun() {
+    let topic = unique("dup");
+    let cluster = mock(1, &[(&topic, 2), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let mut msgs = Vec::new();
+    for i in 0..20 {
+        msgs.push(Out::keyed(
+            i % 2,
+            &format!("pay-{i}"),
+            &format!("amount {i}"),
+        ));
+    }
+    // Every fourth payment sent again, on the same partition, same payload.
+    for i in (0..20).step_by(4) {
+        msgs.push(Out::keyed(
+            i % 2,
+            &format!("pay-{i}"),
+            &format!("amount {i}"),
+        ));
+    }
+    produce(&brokers, &topic, &msgs).await;
+
+    let backend = Arc::new(MemoryBackend::new());
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let group = unique("g");
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let consumer = IdemConsumer::builder(consumer_config(&brokers))
+        .topics([topic.clone()])
+        .group(group.clone())
+        .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
+        .commit_interval(Duration::from_millis(100))
+        .probe(recorder.clone())
+        .shutdown(signal)
+        .handler(move |msg, ctx| {
+            let fx = fx.clone();
+            async move {
+                assert!(ctx.is_some(), "keyed messages run under a lease");
+                let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                Ok::<_, HandlerError>(fx.apply(&id))
+            }
+        })
+        .build()
+        .unwrap();
+    let task = tokio::spawn(consumer.run());
+    recorder.wait_settled(msgs.len(), WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+
+    assert_eq!(effects.distinct(), 20);
+    assert_eq!(effects.total(), 20, "no duplicate ran the handler again");
+    for i in 0..20 {
+        let key = Key::new(group.as_str(), format!("pay-{i}")).unwrap();
+        let rec = backend.get(&key).await.unwrap().expect("record");
+        assert_eq!(rec.state, State::Completed);
+        assert_eq!(rec.response, Some(Bytes::from(format!("done pay-{i}"))));
+    }
+    // Partition 0 holds the ten even payments and the five copies.
+    assert_eq!(committed(&brokers, &group, &topic, 2), vec![15, 10]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn json_pointer_key_source() {
+    let topic = unique("json");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = (0..5)
+        .chain(0..5)
+        .map(|i| Out {
+            partition: Some(0),
+            payload: format!(r#"{{"payment":{{"id":"p{i}"}},"amount":{i}}}"#).into_bytes(),
+            ..Out::default()
+        })
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let backend = Arc::new(MemoryBackend::new());
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(unique("g"))
+            .namespace("payments")
+            .key_source(KeySource::json_pointer("/payment/id"))
+            .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, _| {
+                let fx = fx.clone();
+                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(10, WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!((effects.distinct(), effects.total()), (5, 5));
+    let key = Key::new("payments", "p3").unwrap();
+    assert_eq!(
+        backend.get(&key).await.unwrap().unwrap().state,
+        State::Completed
+    );
+}
+
+/// Payloads on one partition that each end a different way.
+fn json(v: &str) -> Out {
+    Out {
+        partition: Some(0),
+        payload: v.as_bytes().to_vec(),
+        ..Out::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_messages_end_in_the_dead_letter_topic_with_headers() {
+    let topic = unique("dlq");
+    let dlq = format!("{topic}.dlq");
+    let cluster = mock(1, &[(&topic, 1), (&dlq, 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs = [
+        json(r#"{"id":"a","v":1}"#),
+        json(r#"{"v":2}"#),
+        json("not json"),
+        json(r#"{"id":{"x":1}}"#),
+        json(r#"{"id":"poison","v":4}"#),
+        json(r#"{"id":"a","v":99}"#),
+        json(r#"{"id":"flaky","v":6}"#),
+        json(r#"{"id":"b","v":7}"#),
+    ];
+    produce(&brokers, &topic, &msgs).await;
+    let backend = Arc::new(MemoryBackend::new());
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let group = unique("g");
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .key_source(KeySource::json_pointer("/id"))
+            .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
+            .retry_backoff(Duration::from_millis(5), Duration::from_millis(50))
+            .commit_interval(Duration::from_millis(100))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, _| {
+                let fx = fx.clone();
+                async move {
+                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    fx.apply(&id);
+                    match id.as_str() {
+                        "poison" => Err(HandlerError::permanent("card declined for good")),
+                        "flaky" => Err(HandlerError::retry("bank timeout")),
+                        _ => Ok(Bytes::from(id)),
+                    }
+                }
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(msgs.len(), WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+
+    assert_eq!(effects.runs("a"), 1);
+    assert_eq!(effects.runs("b"), 1);
+    assert_eq!(
+        effects.runs("poison"),
+        1,
+        "a permanent error is not retried"
+    );
+    assert_eq!(
+        effects.runs("flaky"),
+        3,
+        "a retryable error gets max_attempts runs"
+    );
+    let letters = common::read_all(&brokers, &dlq, 1, 6, WAIT);
+    assert_eq!(letters.len(), 6, "{letters:#?}");
+    let expect = [
+        (1, "missing-key", None, "0"),
+        (2, "malformed-payload", None, "0"),
+        (3, "invalid-key", None, "0"),
+        (4, "poisoned", Some("poison"), "1"),
+        (5, "mismatch", Some("a"), "0"),
+        (6, "poisoned", Some("flaky"), "3"),
+    ];
+    for (letter, (offset, reason, key, attempts)) in letters.iter().zip(expect) {
+        let h = &letter.headers;
+        assert_eq!(h["idem-original-topic"], topic);
+        assert_eq!(h["idem-original-partition"], "0");
+        assert_eq!(h["idem-original-offset"], offset.to_string());
+        assert_eq!(h["idem-reason"], reason, "{letter:?}");
+        assert_eq!(h["idem-attempts"], attempts, "{letter:?}");
+        assert!(!h["idem-error"].is_empty());
+        let want_key = key.map(|id| format!("{group}/{id}"));
+        assert_eq!(h.get("idem-key").cloned(), want_key);
+        assert_eq!(letter.payload, msgs[offset].payload);
+    }
+    assert!(letters[1].headers["idem-error"].contains("not JSON"));
+    assert!(letters[3].headers["idem-error"].contains("declined"));
+    assert!(letters[5].headers["idem-error"].contains("bank timeout"));
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![8]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
+    let topic = unique("held");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs = [
+        Out::keyed(0, "a", "1"),
+        Out::keyed(0, "held", "2"),
+        Out::keyed(0, "b", "3"),
+    ];
+    produce(&brokers, &topic, &msgs).await;
+    let group = unique("g");
+    let backend = Arc::new(MemoryBackend::new());
+    // Another worker holds "held" with a long lease.
+    let other = engine(backend.clone(), "other", Duration::from_secs(60));
+    let held = Key::new(group.as_str(), "held").unwrap();
+    let lease = match backend.claim(&other.claim_for(&held, b"2")).await.unwrap() {
+        idem_core::ClaimOutcome::Acquired(l) => l,
+        o => panic!("{o:?}"),
+    };
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
+            .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
+            .commit_interval(Duration::from_millis(50))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, _| {
+                let fx = fx.clone();
+                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(1, WAIT).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while committed(&brokers, &group, &topic, 1) != vec![1] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "offset 1 never committed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The partition waits on "held": for a while, nothing past it runs or is committed.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        recorder.settled_on(0).into_iter().collect::<Vec<_>>(),
+        vec![0]
+    );
+    assert_eq!((effects.runs("held"), effects.runs("b")), (0, 0));
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![1]);
+
+    // The holder finishes: the partition replays its answer and moves on.
+    backend
+        .complete(
+            &lease,
+            Bytes::from_static(b"other's"),
+            Duration::from_secs(3600),
+        )
+        .await
+        .unwrap();
+    recorder.wait_settled(3, WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(
+        (effects.runs("a"), effects.runs("held"), effects.runs("b")),
+        (1, 0, 1)
+    );
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![3]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
+    use conformance::{Fault, Faulty};
+    let topic = unique("outage");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let first: Vec<Out> = (0..10)
+        .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &first).await;
+    let faulty = Faulty::new(MemoryBackend::new());
+    faulty.set(Fault::Claim, true);
+    let backend = Arc::new(faulty.clone());
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let group = unique("g");
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(engine(backend, "w1", Duration::from_secs(5)))
+            .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
+            .commit_interval(Duration::from_millis(50))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, _| {
+                let fx = fx.clone();
+                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    // The claim is failing: the partition stalls before running anything.
+    let deadline = std::time::Instant::now() + WAIT;
+    while !recorder
+        .points()
+        .iter()
+        .any(|p| p.0 == idem_kafka::Point::BeforeClaim)
+    {
+        assert!(std::time::Instant::now() < deadline, "no claim attempted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(recorder.settled_count(), 0);
+    assert_eq!(effects.total(), 0);
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![-1]);
+    faulty.set(Fault::Claim, false);
+    recorder.wait_settled(10, WAIT).await;
+    assert_eq!((effects.distinct(), effects.total()), (10, 10));
+
+    // Now `complete` fails after the handler ran: the response is stored once the store
+    // is back, and the handler does not run twice.
+    faulty.set(Fault::Complete, true);
+    let second: Vec<Out> = (10..15)
+        .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &second).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while effects.runs("k10") == 0 {
+        assert!(std::time::Instant::now() < deadline, "k10 never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        recorder.settled_count(),
+        10,
+        "nothing settles while complete fails"
+    );
+    assert_eq!(effects.total(), 11);
+    faulty.set(Fault::Complete, false);
+    recorder.wait_settled(15, WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!((effects.distinct(), effects.total()), (15, 15));
+    for i in 0..15 {
+        let key = Key::new(group.as_str(), format!("k{i}")).unwrap();
+        let rec = faulty.inner().get(&key).await.unwrap().expect("record");
+        assert_eq!(rec.state, State::Completed, "k{i}");
+    }
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![15]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_consumers_in_one_group_rebalance() {
+    let topic = unique("rebal");
+    let cluster = mock(1, &[(&topic, 4), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = (0..400)
+        .map(|i| Out::keyed(i % 4, &format!("k{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let group = unique("g");
+    let backend = Arc::new(MemoryBackend::new());
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let start = |owner: &'static str, mine: Arc<Effects>| {
+        let (stop, signal) = shutdown();
+        let fx = effects.clone();
+        let consumer = IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(engine(backend.clone(), owner, Duration::from_secs(5)))
+            .batch_size(20)
+            .commit_interval(Duration::from_millis(100))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, _| {
+                let (fx, mine) = (fx.clone(), mine.clone());
+                async move {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let id = msg.key().map(Key::id).unwrap_or_default();
+                    mine.apply(id);
+                    Ok(fx.apply(id))
+                }
+            })
+            .build()
+            .unwrap();
+        (stop, tokio::spawn(consumer.run()))
+    };
+    let (a_runs, b_runs) = (Effects::new(), Effects::new());
+    let (stop_a, task_a) = start("a", a_runs.clone());
+    recorder.wait_settled(40, WAIT).await;
+    let (stop_b, task_b) = start("b", b_runs.clone());
+    recorder.wait_settled(400, WAIT).await;
+    stop_a.cancel();
+    stop_b.cancel();
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+
+    assert!(
+        a_runs.total() > 0 && b_runs.total() > 0,
+        "a ran {}, b ran {}",
+        a_runs.total(),
+        b_runs.total()
+    );
+    assert_eq!(effects.distinct(), 400);
+    assert_eq!(
+        effects.total(),
+        400,
+        "no message ran twice across the rebalance"
+    );
+    assert_eq!(committed(&brokers, &group, &topic, 4), vec![100; 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failed_commits_are_retried() {
+    use idem_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let topic = unique("commit");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = (0..30)
+        .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    cluster.request_errors(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OFFSET_METADATA_TOO_LARGE; 4],
+    );
+    let group = unique("g");
+    let recorder = Recorder::new();
+    let (stop, signal) = shutdown();
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .batch_size(5)
+            .commit_interval(Duration::from_millis(50))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(|msg, _| async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                Ok(Bytes::from(msg.offset().to_string()))
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(30, WAIT).await;
+    // The first commits failed; a later periodic commit carries the settled offset.
+    let deadline = std::time::Instant::now() + WAIT;
+    while committed(&brokers, &group, &topic, 1) != vec![30] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "offset 30 never committed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
+    use idem_kafka::rdkafka::mocking::MockCoordinator;
+    use idem_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let topic = unique("dlqdown");
+    let dlq = format!("{topic}.dlq");
+    let cluster = mock(2, &[(&topic, 1), (&dlq, 1)]);
+    let group = unique("g");
+    cluster.partition_leader(&topic, 0, Some(1)).unwrap();
+    cluster.partition_leader(&dlq, 0, Some(2)).unwrap();
+    cluster
+        .coordinator(MockCoordinator::Group(group.clone()), 1)
+        .unwrap();
+    let brokers = cluster.bootstrap_servers();
+    let msgs = [
+        Out::keyed(0, "a", "1"),
+        Out {
+            partition: Some(0),
+            payload: b"no key".to_vec(),
+            ..Out::default()
+        },
+        Out::keyed(0, "b", "3"),
+        Out {
+            partition: Some(0),
+            payload: b"no key either".to_vec(),
+            ..Out::default()
+        },
+        Out::keyed(0, "c", "5"),
+    ];
+    produce(&brokers, &topic, &msgs).await;
+    cluster.broker_down(2).unwrap();
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let mut dlq_config = idem_kafka::rdkafka::ClientConfig::new();
+    dlq_config
+        .set("bootstrap.servers", &brokers)
+        .set("message.timeout.ms", "1000");
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .dead_letter_config(dlq_config)
+            .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
+            .commit_interval(Duration::from_millis(50))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, _| {
+                let fx = fx.clone();
+                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(1, WAIT).await;
+    // The dead letter cannot be written: the partition holds at offset 1.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        recorder.settled_on(0).into_iter().collect::<Vec<_>>(),
+        vec![0]
+    );
+    assert_eq!(effects.runs("b"), 0);
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![1]);
+    cluster.broker_up(2).unwrap();
+    recorder.wait_settled(3, WAIT).await;
+    // Now produce requests fail a few times: the second dead letter waits for its ack too.
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_RECORD; 3],
+    );
+    recorder.wait_settled(5, WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(
+        (effects.runs("a"), effects.runs("b"), effects.runs("c")),
+        (1, 1, 1)
+    );
+    let letters = common::read_all(&brokers, &dlq, 1, 2, WAIT);
+    let offsets: Vec<&str> = letters
+        .iter()
+        .map(|l| l.headers["idem-original-offset"].as_str())
+        .collect();
+    assert_eq!(offsets, ["1", "3"]);
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![5]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partition_concurrency_bounds_handlers_across_partitions() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let run = |limit: Option<usize>| async move {
+        let topic = unique("conc");
+        let cluster = mock(1, &[(&topic, 4), (&format!("{topic}.dlq"), 1)]);
+        let brokers = cluster.bootstrap_servers();
+        let msgs: Vec<Out> = (0..24)
+            .map(|i| Out::keyed(i % 4, &format!("k{i}"), "x"))
+            .collect();
+        produce(&brokers, &topic, &msgs).await;
+        let (now, max) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let recorder = Recorder::new();
+        let (stop, signal) = shutdown();
+        let (n, m) = (now.clone(), max.clone());
+        let mut builder = IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(unique("g"))
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .batch_size(1)
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |_, _| {
+                let (n, m) = (n.clone(), m.clone());
+                async move {
+                    let running = n.fetch_add(1, Ordering::SeqCst) + 1;
+                    m.fetch_max(running, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    n.fetch_sub(1, Ordering::SeqCst);
+                    Ok(Bytes::new())
+                }
+            });
+        if let Some(limit) = limit {
+            builder = builder.partition_concurrency(limit);
+        }
+        let task = tokio::spawn(builder.build().unwrap().run());
+        recorder.wait_settled(24, WAIT).await;
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        max.load(Ordering::SeqCst)
+    };
+    assert_eq!(run(Some(1)).await, 1, "one partition at a time");
+    assert!(run(None).await > 1, "partitions run in parallel by default");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keyless_messages_can_be_processed_without_deduplication() {
+    let topic = unique("keyless");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let keyless = Out {
+        partition: Some(0),
+        payload: b"no key".to_vec(),
+        ..Out::default()
+    };
+    let msgs = [keyless.clone(), Out::keyed(0, "a", "1"), keyless];
+    produce(&brokers, &topic, &msgs).await;
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let (stop, signal) = shutdown();
+    let fx = effects.clone();
+    let task = tokio::spawn(
+        IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(unique("g"))
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .missing_key(idem_kafka::MissingKey::Process)
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |msg, ctx| {
+                let fx = fx.clone();
+                async move {
+                    let id = match (msg.key(), ctx) {
+                        (Some(k), Some(_)) => k.id().to_owned(),
+                        (None, None) => "keyless".to_owned(),
+                        other => panic!("a key comes with a lease: {other:?}"),
+                    };
+                    Ok(fx.apply(&id))
+                }
+            })
+            .build()
+            .unwrap()
+            .run(),
+    );
+    recorder.wait_settled(3, WAIT).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(effects.runs("a"), 1);
+    assert_eq!(effects.runs("keyless"), 2, "no deduplication without a key");
+    assert!(
+        common::read_all(
+            &brokers,
+            &format!("{topic}.dlq"),
+            1,
+            1,
+            Duration::from_secs(2)
+        )
+        .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
+    use std::sync::Mutex;
+    let topic = unique("slow");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    produce(&brokers, &topic, &[Out::keyed(0, "slow", "x")]).await;
+    let group = unique("g");
+    let backend = Arc::new(MemoryBackend::new());
+    // Each run: (owner, claim kind, when it started, when it ended).
+    type Run = (
+        String,
+        idem_core::ClaimKind,
+        std::time::Instant,
+        Option<std::time::Instant>,
+    );
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let recorder = Recorder::new();
+    let start = |owner: &'static str| {
+        let (stop, signal) = shutdown();
+        let runs = runs.clone();
+        let consumer = IdemConsumer::builder(consumer_config(&brokers))
+            .topics([topic.clone()])
+            .group(group.clone())
+            .engine(
+                Engine::builder(backend.clone())
+                    .owner(owner)
+                    .lease_ttl(Duration::from_secs(1))
+                    .build()
+                    .unwrap(),
+            )
+            .revoke_timeout(Duration::from_millis(200))
+            .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
+            .probe(recorder.clone())
+            .shutdown(signal)
+            .handler(move |_, ctx| {
+                let runs = runs.clone();
+                async move {
+                    let ctx = ctx.expect("lease");
+                    let i = {
+                        let mut runs = runs.lock().unwrap();
+                        runs.push((
+                            ctx.lease().owner.clone(),
+                            ctx.kind(),
+                            std::time::Instant::now(),
+                            None,
+                        ));
+                        runs.len() - 1
+                    };
+                    if ctx.kind() == idem_core::ClaimKind::First {
+                        tokio::time::sleep(Duration::from_secs(6)).await;
+                    }
+                    runs.lock().unwrap()[i].3 = Some(std::time::Instant::now());
+                    Ok(Bytes::from(ctx.lease().owner.clone()))
+                }
+            })
+            .build()
+            .unwrap();
+        (stop, tokio::spawn(consumer.run()))
+    };
+    let (stop_a, task_a) = start("a");
+    let deadline = std::time::Instant::now() + WAIT;
+    while runs.lock().unwrap().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the handler never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A second member: the partition is revoked from under the slow handler, which is
+    // given up after the revoke timeout. Its heartbeat stops: the lease lapses while the
+    // handler still runs.
+    let (stop_b, task_b) = start("b");
+    let key = Key::new(group.as_str(), "slow").unwrap();
+    loop {
+        let rec = backend.get(&key).await.unwrap().expect("claimed");
+        let lapsed = rec
+            .lease_until
+            .is_some_and(|until| until < idem_core::Timestamp::now());
+        if lapsed {
+            assert!(
+                runs.lock().unwrap()[0].3.is_none(),
+                "the first handler still runs"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lease never lapsed: {rec:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    recorder.wait_settled(1, WAIT).await;
+    stop_a.cancel();
+    stop_b.cancel();
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    let (first, takeover) = (&runs[0], &runs[1]);
+    assert_eq!(first.1, idem_core::ClaimKind::First);
+    assert_eq!(
+        takeover.1,
+        idem_core::ClaimKind::Takeover,
+        "its lease lapsed: no heartbeat"
+    );
+    let rec = backend.get(&key).await.unwrap().unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(
+        rec.response,
+        Some(Bytes::from(takeover.0.clone())),
+        "the takeover's result is stored"
+    );
+}
