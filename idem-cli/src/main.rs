@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+mod bench;
 mod cli;
 mod confirm;
 mod error;
@@ -40,7 +41,7 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Demo(_) => Err(error::Error::Refused("demo: not built yet".into())),
-        Command::Bench(_) => Err(error::Error::Refused("bench: not built yet".into())),
+        Command::Bench(a) => bench::run(&a).await,
         Command::Inspect(a) => ops::inspect(&a).await,
         Command::List(a) => ops::list(&a).await,
         Command::Release(a) => ops::release(&a).await,
