@@ -75,6 +75,9 @@ where
                 if end >= deadline {
                     break;
                 }
+                // Stores that answer without awaiting (memory) would otherwise keep the
+                // thread, and the other workers would run only after this one's deadline.
+                tokio::task::yield_now().await;
             }
             Ok((hist, keys, calls, start, Instant::now()))
         }));
