@@ -13,13 +13,13 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// The URL names a backend this build does not include.
+    /// The URL names a backend, or the command needs a part, this build does not include.
     #[error(
-        "{scheme}:// URLs need the cargo feature `{feature}`, which this build of idem lacks: rebuild with `cargo install idem-cli --features {feature}` (in the workspace: `cargo build -p idem-cli --features {feature}`)"
+        "{what} needs the cargo feature `{feature}`, which this build of idem lacks: rebuild with `cargo install idem-cli --features {feature}` (in the workspace: `cargo build -p idem-cli --features {feature}`)"
     )]
     FeatureMissing {
-        /// The URL scheme.
-        scheme: &'static str,
+        /// What needs it (`redis:// URLs`, `idem demo`).
+        what: &'static str,
         /// The idem-cli feature that adds it.
         feature: &'static str,
     },

@@ -5,6 +5,8 @@
 mod bench;
 mod cli;
 mod confirm;
+#[cfg(feature = "kafka")]
+mod demo;
 mod error;
 mod ops;
 mod show;
@@ -40,7 +42,13 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Demo(_) => Err(error::Error::Refused("demo: not built yet".into())),
+        #[cfg(feature = "kafka")]
+        Command::Demo(a) => demo::run(&a).await,
+        #[cfg(not(feature = "kafka"))]
+        Command::Demo(_) => Err(error::Error::FeatureMissing {
+            what: "idem demo",
+            feature: "kafka",
+        }),
         Command::Bench(a) => bench::run(&a).await,
         Command::Inspect(a) => ops::inspect(&a).await,
         Command::List(a) => ops::list(&a).await,

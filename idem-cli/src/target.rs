@@ -58,7 +58,7 @@ impl Target {
         let url = url::Url::parse(first).map_err(|e| bad(e.to_string()))?;
         let target = match url.scheme() {
             "redis" | "rediss" | "redis+unix" => {
-                require(cfg!(feature = "redis"), "redis", "redis")?;
+                require(cfg!(feature = "redis"), "redis:// URLs", "redis")?;
                 if url.host_str().is_none_or(str::is_empty) && url.scheme() != "redis+unix" {
                     return Err(bad("no host".into()));
                 }
@@ -67,14 +67,14 @@ impl Target {
                 }
             }
             "postgres" | "postgresql" => {
-                require(cfg!(feature = "postgres"), "postgres", "postgres")?;
+                require(cfg!(feature = "postgres"), "postgres:// URLs", "postgres")?;
                 if text.contains(',') {
                     return Err(bad("one PostgreSQL URL only".into()));
                 }
                 parse_postgres(url).map_err(bad)?
             }
             "dynamodb" => {
-                require(cfg!(feature = "dynamo"), "dynamodb", "dynamo")?;
+                require(cfg!(feature = "dynamo"), "dynamodb:// URLs", "dynamo")?;
                 parse_dynamo(&url).map_err(bad)?
             }
             "memory" => return Err(bad("write memory: with nothing after it".into())),
@@ -134,11 +134,11 @@ impl Default for ConnectOptions {
     }
 }
 
-fn require(compiled: bool, scheme: &'static str, feature: &'static str) -> Result<()> {
+fn require(compiled: bool, what: &'static str, feature: &'static str) -> Result<()> {
     if compiled {
         Ok(())
     } else {
-        Err(Error::FeatureMissing { scheme, feature })
+        Err(Error::FeatureMissing { what, feature })
     }
 }
 
