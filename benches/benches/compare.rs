@@ -87,14 +87,19 @@ async fn subjects() -> Vec<Subject> {
 
 async fn postgres(url: &str) -> Subject {
     use idem_postgres::{PgBackend, PgConfig};
-    let config = PgConfig::new(url).schema("idem_compare").max_connections(32);
+    let config = PgConfig::new(url)
+        .schema("idem_compare")
+        .max_connections(32);
     let backend = PgBackend::connect(config).await.expect("connect");
     let pool = backend.pool().clone();
     for stmt in [
         "DROP SCHEMA IF EXISTS idem_compare CASCADE",
         "CREATE SCHEMA idem_compare",
     ] {
-        sqlx::query(stmt).execute(&pool).await.expect("reset schema");
+        sqlx::query(stmt)
+            .execute(&pool)
+            .await
+            .expect("reset schema");
     }
     backend.migrate().await.expect("migrate");
     sqlx::query("CREATE TABLE idem_compare.raw (k text PRIMARY KEY, v bytea NOT NULL)")
@@ -141,7 +146,10 @@ fn compare(c: &mut Criterion) {
         rt.block_on(async {
             if let ClaimOutcome::Acquired(l) = s.backend.claim(&done).await.expect("claim") {
                 let body = Bytes::from_static(BODY);
-                s.backend.complete(&l, body, RETENTION).await.expect("complete");
+                s.backend
+                    .complete(&l, body, RETENTION)
+                    .await
+                    .expect("complete");
             }
         });
         g.bench_function(BenchmarkId::new("replay", s.name), |b| {
