@@ -39,6 +39,7 @@ fn claim(id: u64) -> Claim {
 /// The store's own write-if-absent, through the backend's client.
 enum Raw {
     Map(Mutex<HashMap<String, Bytes>>),
+    Redis(redis::aio::ConnectionManager),
     Postgres(sqlx::PgPool),
 }
 
@@ -48,6 +49,18 @@ impl Raw {
             Raw::Map(map) => {
                 let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
                 map.entry(k).or_insert_with(|| Bytes::from_static(BODY));
+            }
+            Raw::Redis(conn) => {
+                let mut conn = conn.clone();
+                redis::cmd("SET")
+                    .arg(format!("idem:compare:{k}"))
+                    .arg(BODY)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(RETENTION.as_millis() as u64)
+                    .query_async::<redis::Value>(&mut conn)
+                    .await
+                    .expect("SET NX PX");
             }
             Raw::Postgres(pool) => {
                 sqlx::query(
@@ -76,6 +89,12 @@ async fn subjects() -> Vec<Subject> {
         backend: Arc::new(MemoryBackend::new()),
         raw: Raw::Map(Mutex::default()),
     }];
+    match std::env::var("IDEM_REDIS_URL") {
+        Ok(url) => out.push(redis_subject(&url).await),
+        Err(_) => println!(
+            "compare: redis skipped: IDEM_REDIS_URL is not set (eval \"$(scripts/services up)\")"
+        ),
+    }
     match std::env::var("IDEM_POSTGRES_URL") {
         Ok(url) => out.push(postgres(&url).await),
         Err(_) => println!(
@@ -83,6 +102,21 @@ async fn subjects() -> Vec<Subject> {
         ),
     }
     out
+}
+
+async fn redis_subject(url: &str) -> Subject {
+    use idem_redis::{RedisBackend, RedisConfig};
+    let config = RedisConfig::from_urls(url).with_prefix("idem:compare:");
+    let backend = RedisBackend::connect(config).await.expect("connect");
+    let client = redis::Client::open(url).expect("redis URL");
+    let raw = redis::aio::ConnectionManager::new(client)
+        .await
+        .expect("connect");
+    Subject {
+        name: "redis",
+        backend: Arc::new(backend),
+        raw: Raw::Redis(raw),
+    }
 }
 
 async fn postgres(url: &str) -> Subject {

@@ -1,7 +1,8 @@
 //! Backend URLs: which store a command talks to, and the connection to it.
 //!
 //! - `memory:`: the in-memory backend (this process only).
-//! - `redis://host:port/db` (also `rediss://`; several comma-separated URLs: a cluster).
+//! - `redis://host:port/db` (also `rediss://`; several comma-separated URLs: a cluster);
+//!   `?prefix=p` sets the key prefix (default `idem:`).
 //! - `postgres://user@host:port/db` (also `postgresql://`); `?schema=name` picks the schema
 //!   (default `idem`); other parameters go to the driver.
 //! - `dynamodb://<table>?endpoint=http://host:port&region=…`; `endpoint` is optional (the
@@ -21,8 +22,10 @@ pub enum Target {
     Memory,
     /// `redis://…` or `rediss://…`, possibly several (a cluster).
     Redis {
-        /// The URL as given.
+        /// The URLs as given, without the `prefix` parameter.
         urls: String,
+        /// The key prefix (default `idem:`).
+        prefix: String,
     },
     /// `postgres://…`
     Postgres {
@@ -59,12 +62,7 @@ impl Target {
         let target = match url.scheme() {
             "redis" | "rediss" | "redis+unix" => {
                 require(cfg!(feature = "redis"), "redis:// URLs", "redis")?;
-                if url.host_str().is_none_or(str::is_empty) && url.scheme() != "redis+unix" {
-                    return Err(bad("no host".into()));
-                }
-                Target::Redis {
-                    urls: text.to_owned(),
-                }
+                parse_redis(text).map_err(bad)?
             }
             "postgres" | "postgresql" => {
                 require(cfg!(feature = "postgres"), "postgres:// URLs", "postgres")?;
@@ -98,6 +96,14 @@ impl Target {
         let what = format!("connect to {self}");
         match self {
             Target::Memory => Ok(Store::Memory(MemoryBackend::new())),
+            #[cfg(feature = "redis")]
+            Target::Redis { urls, prefix } => {
+                let config = idem_redis::RedisConfig::from_urls(urls).with_prefix(prefix.clone());
+                let backend = idem_redis::RedisBackend::connect(config)
+                    .await
+                    .store(what)?;
+                Ok(Store::Redis(backend))
+            }
             #[cfg(feature = "postgres")]
             Target::Postgres { url, schema } => {
                 let config = idem_postgres::PgConfig::new(url.clone())
@@ -142,27 +148,58 @@ fn require(compiled: bool, what: &'static str, feature: &'static str) -> Result<
     }
 }
 
-fn parse_postgres(mut url: url::Url) -> Result<Target, String> {
-    if url.host_str().is_none_or(str::is_empty) {
-        return Err("no host".into());
+fn parse_redis(text: &str) -> Result<Target, String> {
+    let mut prefix = "idem:".to_owned();
+    let mut urls = Vec::new();
+    for one in text.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let mut url = url::Url::parse(one).map_err(|e| e.to_string())?;
+        if url.host_str().is_none_or(str::is_empty) && url.scheme() != "redis+unix" {
+            return Err("no host".into());
+        }
+        let (found, rest) = take_param(&url, "prefix");
+        if let Some(p) = found {
+            prefix = p;
+        }
+        set_query(&mut url, rest);
+        urls.push(url.to_string());
     }
-    let mut schema = "idem".to_owned();
+    Ok(Target::Redis {
+        urls: urls.join(","),
+        prefix,
+    })
+}
+
+/// The value of query parameter `name`, and the other parameters.
+fn take_param(url: &url::Url, name: &str) -> (Option<String>, Vec<(String, String)>) {
+    let mut found = None;
     let mut rest = Vec::new();
     for (k, v) in url.query_pairs() {
-        if k == "schema" {
-            schema = v.into_owned();
+        if k == name {
+            found = Some(v.into_owned());
         } else {
             rest.push((k.into_owned(), v.into_owned()));
         }
     }
-    if rest.is_empty() {
+    (found, rest)
+}
+
+fn set_query(url: &mut url::Url, pairs: Vec<(String, String)>) {
+    if pairs.is_empty() {
         url.set_query(None);
     } else {
-        url.query_pairs_mut().clear().extend_pairs(rest);
+        url.query_pairs_mut().clear().extend_pairs(pairs);
     }
+}
+
+fn parse_postgres(mut url: url::Url) -> Result<Target, String> {
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("no host".into());
+    }
+    let (schema, rest) = take_param(&url, "schema");
+    set_query(&mut url, rest);
     Ok(Target::Postgres {
         url: url.to_string(),
-        schema,
+        schema: schema.unwrap_or_else(|| "idem".into()),
     })
 }
 
@@ -196,9 +233,9 @@ impl fmt::Display for Target {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Target::Memory => write!(f, "memory:"),
-            Target::Redis { urls } => {
+            Target::Redis { urls, prefix } => {
                 let shown: Vec<String> = urls.split(',').map(|u| redact(u.trim())).collect();
-                write!(f, "{}", shown.join(","))
+                write!(f, "{} (prefix {prefix})", shown.join(","))
             }
             Target::Postgres { url, schema } => write!(f, "{} (schema {schema})", redact(url)),
             Target::Dynamo {
@@ -261,6 +298,9 @@ pub fn redact(url: &str) -> String {
 pub enum Store {
     /// The in-memory backend.
     Memory(MemoryBackend),
+    /// Redis.
+    #[cfg(feature = "redis")]
+    Redis(idem_redis::RedisBackend),
     /// PostgreSQL.
     #[cfg(feature = "postgres")]
     Postgres(idem_postgres::PgBackend),
@@ -271,6 +311,8 @@ impl Store {
     pub fn backend(&self) -> Arc<dyn Backend> {
         match self {
             Store::Memory(b) => Arc::new(b.clone()),
+            #[cfg(feature = "redis")]
+            Store::Redis(b) => Arc::new(b.clone()),
             #[cfg(feature = "postgres")]
             Store::Postgres(b) => Arc::new(b.clone()),
         }
@@ -280,6 +322,8 @@ impl Store {
     pub async fn migrate(&self) -> Result<String> {
         match self {
             Store::Memory(_) => Ok("memory: nothing to migrate".into()),
+            #[cfg(feature = "redis")]
+            Store::Redis(_) => Ok("redis: nothing to migrate (records are plain keys)".into()),
             #[cfg(feature = "postgres")]
             Store::Postgres(b) => {
                 b.migrate().await.store("migrate")?;
@@ -306,6 +350,17 @@ mod tests {
     #[test]
     fn parses_each_form() {
         assert_eq!(Target::parse("memory:").unwrap(), Target::Memory);
+        if cfg!(feature = "redis") {
+            let t = Target::parse("redis://:pw@h:6379/0?prefix=svc:, redis://h2:6379/").unwrap();
+            assert_eq!(
+                t,
+                Target::Redis {
+                    urls: "redis://:pw@h:6379/0,redis://h2:6379/".into(),
+                    prefix: "svc:".into()
+                }
+            );
+            assert!(!t.to_string().contains("pw"), "{t}");
+        }
         if cfg!(feature = "postgres") {
             let t = Target::parse("postgres://app:pw@db:5432/orders?schema=svc&sslmode=disable")
                 .unwrap();

@@ -75,6 +75,16 @@ fn a_backend_not_compiled_in_names_its_feature() {
         );
     }
     let out = Command::new(built.path())
+        .args(["demo", "--messages", "10"])
+        .output()
+        .expect("run the minimal idem");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("idem demo needs the cargo feature `kafka`"),
+        "{err}"
+    );
+    let out = Command::new(built.path())
         .args(["list", "-b", "memory:"])
         .output()
         .expect("run the minimal idem");

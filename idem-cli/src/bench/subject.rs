@@ -41,6 +41,8 @@ pub struct Subject {
 enum Cleanup {
     #[cfg(feature = "postgres")]
     DropSchema(sqlx::PgPool, String),
+    #[cfg(feature = "redis")]
+    DeletePrefix(redis::aio::ConnectionManager, String),
 }
 
 impl Subject {
@@ -55,6 +57,8 @@ impl Subject {
                 raw: Arc::new(MapInsert::default()),
                 cleanup: None,
             }),
+            #[cfg(feature = "redis")]
+            Target::Redis { urls, .. } => redis_subject(urls, tag, shown).await,
             #[cfg(feature = "postgres")]
             Target::Postgres { url, .. } => postgres(url, tag, workers, shown).await,
             #[allow(unreachable_patterns)]
@@ -82,6 +86,36 @@ impl Subject {
                     .store(format!("drop the bench schema {schema}"))?;
                 Ok(())
             }
+            #[cfg(feature = "redis")]
+            Some(Cleanup::DeletePrefix(mut conn, prefix)) => {
+                let pattern = format!("{prefix}*");
+                let unavailable = |e| idem_core::Error::unavailable("delete bench keys", e);
+                let mut cursor = 0u64;
+                loop {
+                    let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(&pattern)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .query_async(&mut conn)
+                        .await
+                        .map_err(unavailable)
+                        .store("scan the bench keys")?;
+                    if !keys.is_empty() {
+                        redis::cmd("UNLINK")
+                            .arg(&keys)
+                            .query_async::<()>(&mut conn)
+                            .await
+                            .map_err(unavailable)
+                            .store("delete the bench keys")?;
+                    }
+                    if next == 0 {
+                        return Ok(());
+                    }
+                    cursor = next;
+                }
+            }
         }
     }
 }
@@ -104,6 +138,106 @@ impl Raw for MapInsert {
             map.entry(k.clone()).or_insert_with(|| value.clone());
         }
         Ok(())
+    }
+}
+
+/// Redis: the backend under a prefix of its own, deleted at the end on a single server
+/// (on a cluster, records and raw keys expire by themselves after [`RETENTION`]).
+#[cfg(feature = "redis")]
+async fn redis_subject(urls: &str, tag: &str, shown: String) -> Result<Subject> {
+    use idem_redis::{RedisBackend, RedisConfig};
+
+    let prefix = format!("idem:bench:{tag}:");
+    let config = RedisConfig::from_urls(urls).with_prefix(prefix.clone());
+    let cluster = config.is_cluster();
+    let nodes = config.nodes().to_vec();
+    let backend = RedisBackend::connect(config)
+        .await
+        .store(format!("connect to {shown}"))?;
+    let unavailable = |e: redis::RedisError| idem_core::Error::unavailable("connect", e);
+    let mut cleanup = None;
+    let conn = if cluster {
+        let client = redis::cluster::ClusterClient::new(nodes).map_err(unavailable);
+        let conn = async { client?.get_async_connection().await.map_err(unavailable) };
+        RedisConn::Cluster(conn.await.store("raw baseline client")?)
+    } else {
+        let client = redis::Client::open(nodes.first().map_or("", String::as_str));
+        let conn = async {
+            redis::aio::ConnectionManager::new(client.map_err(unavailable)?)
+                .await
+                .map_err(unavailable)
+        };
+        let conn = conn.await.store("raw baseline client")?;
+        cleanup = Some(Cleanup::DeletePrefix(conn.clone(), prefix.clone()));
+        RedisConn::Single(conn)
+    };
+    Ok(Subject {
+        kind: "redis",
+        shown,
+        backend: Arc::new(backend),
+        raw: Arc::new(SetNx {
+            conn,
+            prefix: format!("{prefix}raw:"),
+        }),
+        cleanup,
+    })
+}
+
+#[cfg(feature = "redis")]
+#[derive(Clone)]
+enum RedisConn {
+    Single(redis::aio::ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// `SET key value NX PX ms`: pipelined for a batch on one server, one call per key on a
+/// cluster (whose keys spread over nodes).
+#[cfg(feature = "redis")]
+struct SetNx {
+    conn: RedisConn,
+    prefix: String,
+}
+
+#[cfg(feature = "redis")]
+impl SetNx {
+    fn set(&self, key: &str, value: &Bytes) -> redis::Cmd {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(format!("{}{key}", self.prefix))
+            .arg(value.as_ref())
+            .arg("NX")
+            .arg("PX")
+            .arg(RETENTION.as_millis() as u64);
+        cmd
+    }
+}
+
+#[cfg(feature = "redis")]
+#[async_trait]
+impl Raw for SetNx {
+    fn name(&self) -> &'static str {
+        "SET NX PX"
+    }
+
+    async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
+        let done: redis::RedisResult<()> = match self.conn.clone() {
+            RedisConn::Single(mut c) => {
+                let mut pipe = redis::pipe();
+                for k in keys {
+                    pipe.add_command(self.set(k, value)).ignore();
+                }
+                pipe.query_async(&mut c).await
+            }
+            RedisConn::Cluster(c) => {
+                let calls = keys.iter().map(|k| {
+                    let mut c = c.clone();
+                    let cmd = self.set(k, value);
+                    async move { cmd.query_async::<redis::Value>(&mut c).await }
+                });
+                futures::future::try_join_all(calls).await.map(drop)
+            }
+        };
+        done.map_err(|e| idem_core::Error::unavailable("SET NX PX", e))
+            .store("raw baseline")
     }
 }
 
