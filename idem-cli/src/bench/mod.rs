@@ -1,0 +1,264 @@
+//! `idem bench`: each backend's claim+complete and replay against its store's raw write,
+//! measured in the same run through the same client, at each concurrency and batch size.
+
+mod measure;
+mod report;
+mod subject;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::try_join_all;
+use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::cli::BenchArgs;
+use crate::error::{Error, Result, StoreContext};
+use crate::target::Target;
+
+pub use measure::Measure;
+pub use report::{Cell, Report};
+use subject::{RETENTION, Subject};
+
+/// Completed keys the replay workload picks from.
+const REPLAY_KEYS: u64 = 1024;
+
+/// The payload every claim fingerprints and the response every complete stores: about
+/// the size of a small JSON receipt.
+const RESPONSE: &[u8] = br#"{"receipt":"r-000001","amount_cents":1999,"ok":true}"#;
+
+/// Runs the bench the arguments describe and writes its report.
+pub async fn run(args: &BenchArgs) -> Result<()> {
+    check(args)?;
+    let targets = args
+        .backend
+        .iter()
+        .map(|u| Target::parse(u))
+        .collect::<Result<Vec<_>>>()?;
+    let tag = format!("{}_{}", std::process::id(), fastrand::u32(..0xfffff));
+    let cells_per = args.concurrency.len() * args.batch.len();
+    let bar = progress(args.quiet, (targets.len() * cells_per * 3) as u64);
+    let workers = args.concurrency.iter().copied().max().unwrap_or(1);
+    let mut cells = Vec::new();
+    for target in &targets {
+        bar.set_message(format!("{}: setting up", target.kind()));
+        let subject = Subject::open(target, &tag, workers).await?;
+        let run = bench_one(&subject, args, &bar, &mut cells).await;
+        let closed = subject.close().await;
+        run?;
+        closed?;
+    }
+    bar.finish_and_clear();
+    let report = Report::new(args, cells);
+    println!("{}", report.table());
+    let (json, svg) = report.write(&args.out)?;
+    println!("wrote {} and {}", json.display(), svg.display());
+    Ok(())
+}
+
+fn check(args: &BenchArgs) -> Result<()> {
+    if args.concurrency.is_empty() || args.concurrency.contains(&0) {
+        return Err(Error::Refused(
+            "--concurrency needs numbers of at least 1".into(),
+        ));
+    }
+    if args.batch.is_empty() || args.batch.contains(&0) {
+        return Err(Error::Refused("--batch needs numbers of at least 1".into()));
+    }
+    if args.duration < Duration::from_millis(10) {
+        return Err(Error::Refused("--duration must be at least 10ms".into()));
+    }
+    Ok(())
+}
+
+fn progress(quiet: bool, total: u64) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    if let Ok(style) = ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} measurements  {msg}",
+    ) {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
+}
+
+/// Every (concurrency, batch) cell of one backend.
+async fn bench_one(
+    subject: &Subject,
+    args: &BenchArgs,
+    bar: &ProgressBar,
+    cells: &mut Vec<Cell>,
+) -> Result<()> {
+    let ns = format!("bench-{}", std::process::id());
+    let keys = Arc::new(Keys::new(&ns));
+    let done = prepare_replay(subject, &keys).await?;
+    for &c in &args.concurrency {
+        for &b in &args.batch {
+            let label = |w: &str| format!("{}: {w} ×{c} workers, batch {b}", subject.kind);
+            bar.set_message(label("raw"));
+            let raw = raw_workload(subject, &keys, c, b, args.duration).await?;
+            bar.inc(1);
+            bar.set_message(label("claim+complete"));
+            let claim = claim_workload(subject, &keys, c, b, args.duration).await?;
+            bar.inc(1);
+            bar.set_message(label("replay"));
+            let replay = replay_workload(subject, &done, c, b, args.duration).await?;
+            bar.inc(1);
+            cells.push(Cell::new(subject, c, b, raw, claim, replay));
+        }
+    }
+    Ok(())
+}
+
+/// Fresh keys: each call gives ids never used before in this run.
+struct Keys {
+    namespace: String,
+    next: AtomicU64,
+}
+
+impl Keys {
+    fn new(namespace: &str) -> Self {
+        Keys {
+            namespace: namespace.to_owned(),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    fn ids(&self, n: u32) -> Vec<String> {
+        let first = self.next.fetch_add(u64::from(n), Ordering::Relaxed);
+        (first..first + u64::from(n))
+            .map(|i| format!("k{i}"))
+            .collect()
+    }
+
+    fn claims(&self, n: u32, worker: u32) -> Result<Vec<Claim>> {
+        self.ids(n)
+            .into_iter()
+            .map(|id| self.claim(id, worker))
+            .collect()
+    }
+
+    fn claim(&self, id: String, worker: u32) -> Result<Claim> {
+        Ok(Claim {
+            key: Key::new(self.namespace.clone(), id).map_err(|e| Error::Refused(e.to_string()))?,
+            owner: format!("bench-{worker}"),
+            lease_ttl: Duration::from_secs(30),
+            fingerprint: Some(Fingerprint::of(RESPONSE)),
+            max_attempts: 5,
+            retention: RETENTION,
+        })
+    }
+}
+
+/// Completes [`REPLAY_KEYS`] keys and returns their claims, for the replay workload.
+async fn prepare_replay(subject: &Subject, keys: &Keys) -> Result<Arc<Vec<Claim>>> {
+    let claims = keys.claims(REPLAY_KEYS as u32, 0)?;
+    for chunk in claims.chunks(128) {
+        claim_and_complete(&subject.backend, chunk).await?;
+    }
+    Ok(Arc::new(claims))
+}
+
+/// Claims fresh keys (one call) and completes each, concurrently.
+async fn claim_and_complete(backend: &Arc<dyn Backend>, claims: &[Claim]) -> Result<()> {
+    let answers = match claims {
+        [one] => vec![backend.claim(one).await.store("claim")?],
+        many => backend.claim_many(many).await.store("claim_many")?,
+    };
+    let body = Bytes::from_static(RESPONSE);
+    try_join_all(answers.into_iter().zip(claims).map(|(answer, claim)| {
+        let body = body.clone();
+        async move {
+            let ClaimOutcome::Acquired(lease) = answer else {
+                return Err(Error::Refused(format!(
+                    "bench: fresh key {} answered {answer:?}, not Acquired",
+                    claim.key
+                )));
+            };
+            backend
+                .complete(&lease, body, RETENTION)
+                .await
+                .store("complete")
+        }
+    }))
+    .await
+    .map(drop)
+}
+
+async fn raw_workload(
+    s: &Subject,
+    keys: &Arc<Keys>,
+    c: u32,
+    b: u32,
+    d: Duration,
+) -> Result<Measure> {
+    let raw = Arc::clone(&s.raw);
+    let keys = Arc::clone(keys);
+    let value = Bytes::from_static(RESPONSE);
+    measure::run(c, d, move |_| {
+        let (raw, value, ids) = (Arc::clone(&raw), value.clone(), keys.ids(b));
+        async move {
+            raw.insert(&ids, &value).await?;
+            Ok(u64::from(b))
+        }
+    })
+    .await
+}
+
+async fn claim_workload(
+    s: &Subject,
+    keys: &Arc<Keys>,
+    c: u32,
+    b: u32,
+    d: Duration,
+) -> Result<Measure> {
+    let keys = Arc::clone(keys);
+    let backend = Arc::clone(&s.backend);
+    measure::run(c, d, move |worker| {
+        let (keys, backend) = (Arc::clone(&keys), Arc::clone(&backend));
+        async move {
+            let claims = keys.claims(b, worker)?;
+            claim_and_complete(&backend, &claims).await?;
+            Ok(u64::from(b))
+        }
+    })
+    .await
+}
+
+async fn replay_workload(
+    s: &Subject,
+    done: &Arc<Vec<Claim>>,
+    c: u32,
+    b: u32,
+    d: Duration,
+) -> Result<Measure> {
+    let backend = Arc::clone(&s.backend);
+    let done = Arc::clone(done);
+    measure::run(c, d, move |_| {
+        let (backend, done) = (Arc::clone(&backend), Arc::clone(&done));
+        async move {
+            let picked: Vec<Claim> = (0..b)
+                .map(|_| done[fastrand::usize(..done.len())].clone())
+                .collect();
+            let answers = match picked.as_slice() {
+                [one] => vec![backend.claim(one).await.store("claim")?],
+                many => backend.claim_many(many).await.store("claim_many")?,
+            };
+            for (answer, claim) in answers.iter().zip(&picked) {
+                if !matches!(answer, ClaimOutcome::Completed(body) if body.as_ref() == RESPONSE) {
+                    return Err(Error::Refused(format!(
+                        "bench: completed key {} answered {answer:?}, not its response",
+                        claim.key
+                    )));
+                }
+            }
+            Ok(u64::from(b))
+        }
+    })
+    .await
+}

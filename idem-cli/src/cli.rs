@@ -1,0 +1,200 @@
+//! The command line, as clap reads it.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// idem: effectively-once processing for Kafka consumers.
+///
+/// Backends are named by URL: memory:, redis://host:port/db, postgres://user@host/db
+/// (?schema=name), dynamodb://<table>?endpoint=http://host:port&region=name.
+#[derive(Debug, Parser)]
+#[command(name = "idem", version, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Play the Kafka failure scenario with a naive consumer and an idem consumer, side by
+    /// side, on an in-process broker (no services needed).
+    Demo(DemoArgs),
+    /// Compare backends: claim+complete and replay throughput and latency, against each
+    /// store's raw write measured in the same run.
+    Bench(BenchArgs),
+    /// Show one record.
+    Inspect(InspectArgs),
+    /// List records (backends that can enumerate only).
+    List(ListArgs),
+    /// Turn a Processing record into a retryable Failed one (fenced by its token).
+    Release(ReleaseArgs),
+    /// Delete one record, whatever its state.
+    Delete(ChangeKeyArgs),
+    /// Drop records past their expiry.
+    Purge(ChangeArgs),
+    /// Create the store's tables: PostgreSQL migrations, or the DynamoDB table with TTL.
+    Migrate(ChangeArgs),
+}
+
+/// The backend of an operator command.
+#[derive(Debug, Args)]
+pub struct BackendArg {
+    /// The backend URL.
+    #[arg(long, short = 'b', env = "IDEM_BACKEND", value_name = "URL")]
+    pub backend: String,
+}
+
+/// `--yes`.
+#[derive(Debug, Args)]
+pub struct YesArg {
+    /// Do it without asking. Without it, idem asks on the terminal, and refuses when
+    /// there is no terminal.
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+}
+
+/// A command on one key.
+#[derive(Debug, Args)]
+pub struct KeyArgs {
+    #[command(flatten)]
+    pub backend: BackendArg,
+    /// The key's namespace.
+    pub namespace: String,
+    /// The key's id.
+    pub id: String,
+}
+
+/// `idem inspect`.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    pub key: KeyArgs,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A changing command on one key.
+#[derive(Debug, Args)]
+pub struct ChangeKeyArgs {
+    #[command(flatten)]
+    pub key: KeyArgs,
+    #[command(flatten)]
+    pub yes: YesArg,
+}
+
+/// `idem release`.
+#[derive(Debug, Args)]
+pub struct ReleaseArgs {
+    #[command(flatten)]
+    pub target: ChangeKeyArgs,
+    /// The error text stored on the released record.
+    #[arg(long, default_value = "released by operator")]
+    pub reason: String,
+    /// How long the Failed record is kept.
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    pub retention: Duration,
+    /// Release even if the lease is still live (its worker may still be running, and
+    /// another worker may then run the handler at the same time).
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// A changing command on the whole store.
+#[derive(Debug, Args)]
+pub struct ChangeArgs {
+    #[command(flatten)]
+    pub backend: BackendArg,
+    #[command(flatten)]
+    pub yes: YesArg,
+}
+
+/// A state, as the command line names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StateArg {
+    /// A worker holds, or held, the lease.
+    Processing,
+    /// Done; the response is kept.
+    Completed,
+    /// The last attempt failed.
+    Failed,
+}
+
+impl From<StateArg> for idem_core::State {
+    fn from(s: StateArg) -> Self {
+        match s {
+            StateArg::Processing => idem_core::State::Processing,
+            StateArg::Completed => idem_core::State::Completed,
+            StateArg::Failed => idem_core::State::Failed,
+        }
+    }
+}
+
+/// `idem list`.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub backend: BackendArg,
+    /// Only this namespace.
+    #[arg(long, short = 'n')]
+    pub namespace: Option<String>,
+    /// Only this state.
+    #[arg(long, short = 's', value_enum)]
+    pub state: Option<StateArg>,
+    /// Only Processing records whose lease has lapsed (a worker died or stalled).
+    #[arg(long)]
+    pub stuck: bool,
+    /// At most this many records (0: all).
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `idem bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Backend URLs to compare (repeat the flag, or separate with spaces).
+    #[arg(long, short = 'b', value_name = "URL", num_args = 1.., default_value = "memory:")]
+    pub backend: Vec<String>,
+    /// Concurrent workers, a comma-separated list.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    pub concurrency: Vec<u32>,
+    /// Keys per claim call (`claim_many` above 1), a comma-separated list.
+    #[arg(long, value_delimiter = ',', default_value = "1,128")]
+    pub batch: Vec<u32>,
+    /// How long each measurement runs.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// Where to write bench.json and bench.svg.
+    #[arg(long, default_value = "idem-bench")]
+    pub out: PathBuf,
+    /// No progress bars (they also hide themselves when stderr is not a terminal).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// `idem demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Payment events the producer sends (before duplicates).
+    #[arg(long, default_value_t = 2000)]
+    pub messages: u32,
+    /// How many of them the producer sends a second time.
+    #[arg(long, default_value_t = 200)]
+    pub duplicates: u32,
+    /// Consumer crashes, each after charging and before committing.
+    #[arg(long, default_value_t = 3)]
+    pub crashes: u32,
+    /// The idem side's backend URL.
+    #[arg(long, short = 'b', value_name = "URL", default_value = "memory:")]
+    pub backend: String,
+    /// Test hook: make the idem side charge outside idem, so the run must fail.
+    #[arg(long, hide = true, env = "IDEM_DEMO_FORCE_DOUBLE_CHARGE")]
+    pub force_double_charge: bool,
+}

@@ -1,0 +1,130 @@
+//! The naive consumer: charge, and commit every so many messages, as a plain at-least-once
+//! consumer does. A crash between a charge and the next commit charges again on restart.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::Message;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+use super::plan::{Ledger, PARTITIONS, TOPIC, parse};
+use crate::error::{Error, Result};
+
+/// How long a consumer may wait for its next message before the demo gives up.
+pub const STALL: Duration = Duration::from_secs(30);
+
+/// What the naive side did.
+#[derive(Debug, Default)]
+pub struct NaiveRun {
+    /// Messages received, over every instance.
+    pub delivered: u64,
+    /// Poison messages logged and skipped.
+    pub skipped: u64,
+    /// Instances that crashed.
+    pub crashes: u32,
+}
+
+/// The consumer configuration both sides share.
+pub fn config(brokers: &str, group: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "4000")
+        .set("heartbeat.interval.ms", "500")
+        .set("fetch.queue.backoff.ms", "10");
+    c
+}
+
+/// Runs instances one after another: instance `i` crashes once it has charged
+/// `crash_after[i]` payments (before its next commit); the last one runs to the end of
+/// every partition (`ends`) and commits.
+pub async fn run(
+    brokers: &str,
+    ends: &HashMap<i32, i64>,
+    crash_after: &[u64],
+    commit_every: u64,
+    ledger: &Ledger,
+) -> Result<NaiveRun> {
+    let mut out = NaiveRun::default();
+    for instance in 0..=crash_after.len() {
+        let consumer: StreamConsumer = config(brokers, "naive-payments")
+            .set("enable.auto.commit", "false")
+            .create()
+            .map_err(|e| Error::Refused(format!("naive consumer: {e}")))?;
+        let mut next = committed(&consumer)?;
+        consumer
+            .subscribe(&[TOPIC])
+            .map_err(|e| Error::Refused(format!("naive consumer: {e}")))?;
+        let limit = crash_after.get(instance).copied();
+        let (mut charged, mut handled) = (0u64, 0u64);
+        loop {
+            if ends
+                .iter()
+                .all(|(p, end)| next.get(p).copied().unwrap_or(0) >= *end)
+            {
+                commit(&consumer)?;
+                return Ok(out);
+            }
+            let m = tokio::time::timeout(STALL, consumer.recv())
+                .await
+                .map_err(|_| Error::Refused(format!("naive consumer: no message for {STALL:?}")))?
+                .map_err(|e| Error::Refused(format!("naive consumer: {e}")))?;
+            out.delivered += 1;
+            handled += 1;
+            next.insert(m.partition(), m.offset() + 1);
+            match parse(m.payload().unwrap_or_default()) {
+                Ok((id, _cents)) => {
+                    ledger.charge(&id);
+                    charged += 1;
+                }
+                Err(_) => out.skipped += 1,
+            }
+            if limit.is_some_and(|l| charged >= l) {
+                // The process dies here: charged, not committed.
+                out.crashes += 1;
+                break;
+            }
+            if handled % commit_every == 0 {
+                commit(&consumer)?;
+            }
+        }
+    }
+    Err(Error::Refused(
+        "naive consumer: ran out of instances".into(),
+    ))
+}
+
+/// The group's committed offsets (next offset to read) per partition.
+fn committed(consumer: &StreamConsumer) -> Result<HashMap<i32, i64>> {
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition(TOPIC, p);
+    }
+    let got = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .map_err(|e| Error::Refused(format!("naive consumer: committed offsets: {e}")))?;
+    let map = got
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) => Some((e.partition(), o)),
+            _ => None,
+        })
+        .collect();
+    // Dropped before the consumer is (a held list makes the consumer's drop hang).
+    drop(got);
+    Ok(map)
+}
+
+fn commit(consumer: &StreamConsumer) -> Result<()> {
+    match consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(()) => Ok(()),
+        // Nothing new since the last commit.
+        Err(e) if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::NoOffset) => {
+            Ok(())
+        }
+        Err(e) => Err(Error::Refused(format!("naive consumer: commit: {e}"))),
+    }
+}

@@ -1,0 +1,97 @@
+//! What the `idem` command can fail with; each prints as one line.
+
+/// A failure of one `idem` command.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The backend URL does not parse or names no known backend.
+    #[error(
+        "{url:?} is not a backend URL: {reason} (expected memory:, redis://…, postgres://…, or dynamodb://<table>?endpoint=…&region=…)"
+    )]
+    BadUrl {
+        /// The URL, password hidden.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The URL names a backend, or the command needs a part, this build does not include.
+    #[error(
+        "{what} needs the cargo feature `{feature}`, which this build of idem lacks: rebuild with `cargo install idem-cli --features {feature}` (in the workspace: `cargo build -p idem-cli --features {feature}`)"
+    )]
+    FeatureMissing {
+        /// What needs it (`redis:// URLs`, `idem demo`).
+        what: &'static str,
+        /// The idem-cli feature that adds it.
+        feature: &'static str,
+    },
+    /// A changing command was not confirmed.
+    #[error("refusing to {action} without confirmation: {why}")]
+    NotConfirmed {
+        /// What would have changed.
+        action: String,
+        /// Why no confirmation was had.
+        why: &'static str,
+    },
+    /// The command's arguments do not make sense together, or the record is not in a
+    /// state the command acts on.
+    #[error("{0}")]
+    Refused(String),
+    /// The store answered with an error.
+    #[error("{context}: {source}")]
+    Store {
+        /// What was being done.
+        context: String,
+        /// The backend's error.
+        #[source]
+        source: idem_core::Error,
+    },
+    /// Reading or writing a local file or the terminal failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The demo found a payment charged twice on the idem side.
+    #[error("the idem consumer charged {0} payment(s) more than once")]
+    DoubleCharge(u64),
+}
+
+/// A result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Adds what was being done to a store error.
+pub trait StoreContext<T> {
+    /// Wraps the error with `context`.
+    fn store(self, context: impl Into<String>) -> Result<T>;
+}
+
+impl<T> StoreContext<T> for Result<T, idem_core::Error> {
+    fn store(self, context: impl Into<String>) -> Result<T> {
+        self.map_err(|source| Error::Store {
+            context: context.into(),
+            source,
+        })
+    }
+}
+
+impl Error {
+    /// An [`Error::Io`].
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The process exit code: 2 for usage problems (bad URL, missing feature, no
+    /// confirmation), 3 for a double charge in the demo, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::BadUrl { .. } | Error::FeatureMissing { .. } | Error::NotConfirmed { .. } => 2,
+            Error::DoubleCharge(_) => 3,
+            _ => 1,
+        }
+    }
+}

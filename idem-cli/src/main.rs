@@ -1,0 +1,76 @@
+//! `idem`: the command-line tool of the idem workspace. See README.md.
+
+#![forbid(unsafe_code)]
+
+mod bench;
+mod cli;
+mod confirm;
+#[cfg(feature = "kafka")]
+mod demo;
+mod error;
+mod ops;
+mod show;
+mod target;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::cli::{Cli, Command};
+use crate::error::Result;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idem: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idem: {}", one_line(&e));
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        #[cfg(feature = "kafka")]
+        Command::Demo(a) => demo::run(&a).await,
+        #[cfg(not(feature = "kafka"))]
+        Command::Demo(_) => Err(error::Error::FeatureMissing {
+            what: "idem demo",
+            feature: "kafka",
+        }),
+        Command::Bench(a) => bench::run(&a).await,
+        Command::Inspect(a) => ops::inspect(&a).await,
+        Command::List(a) => ops::list(&a).await,
+        Command::Release(a) => ops::release(&a).await,
+        Command::Delete(a) => ops::delete(&a).await,
+        Command::Purge(a) => ops::purge(&a).await,
+        Command::Migrate(a) => ops::migrate(&a).await,
+    }
+}
+
+/// The error and its causes below the first (which its own text already includes), on one
+/// line.
+fn one_line(e: &error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e).and_then(std::error::Error::source);
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text.replace('\n', " ")
+}

@@ -1,0 +1,209 @@
+//! Operator commands: inspect, list, release, delete, purge, migrate.
+
+use idem_core::{
+    ClaimKind, Error as CoreError, FailureKind, Key, Lease, ListFilter, Record, State,
+};
+use idem_core::{Timestamp, machine};
+
+use crate::cli::{
+    ChangeArgs, ChangeKeyArgs, InspectArgs, KeyArgs, ListArgs, ReleaseArgs, StateArg,
+};
+use crate::confirm::confirm;
+use crate::error::{Error, Result, StoreContext};
+use crate::show::{RecordView, record_text, records_table};
+use crate::target::{ConnectOptions, Store, Target};
+
+async fn open(url: &str) -> Result<(Target, Store)> {
+    let target = Target::parse(url)?;
+    let store = target.connect(&ConnectOptions::default()).await?;
+    Ok((target, store))
+}
+
+fn key_of(args: &KeyArgs) -> Result<Key> {
+    Key::new(args.namespace.clone(), args.id.clone()).map_err(|e| Error::Refused(e.to_string()))
+}
+
+async fn read(store: &Store, key: &Key) -> Result<Option<Record>> {
+    store.backend().get(key).await.store(format!("read {key}"))
+}
+
+fn print_json(value: &impl serde::Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| Error::Refused(format!("encode JSON: {e}")))?;
+    println!("{text}");
+    Ok(())
+}
+
+/// `idem inspect`: the record, readable.
+pub async fn inspect(args: &InspectArgs) -> Result<()> {
+    let key = key_of(&args.key)?;
+    let (_, store) = open(&args.key.backend.backend).await?;
+    let record = read(&store, &key).await?;
+    let now = Timestamp::now();
+    match (record, args.json) {
+        (Some(r), false) => println!("{}", record_text(&r, now)),
+        (Some(r), true) => print_json(&RecordView::new(&r, now))?,
+        (None, false) => println!("no record for {key} (never claimed, deleted, or expired)"),
+        (None, true) => println!("null"),
+    }
+    Ok(())
+}
+
+/// `idem list`: records passing the filter; `--stuck` keeps lapsed leases only.
+pub async fn list(args: &ListArgs) -> Result<()> {
+    if args.stuck && args.state.is_some_and(|s| s != StateArg::Processing) {
+        return Err(Error::Refused(
+            "--stuck lists processing records; it cannot go with another --state".into(),
+        ));
+    }
+    let (target, store) = open(&args.backend.backend).await?;
+    let backend = store.backend();
+    if !backend.capabilities().list {
+        return Err(Error::Refused(format!(
+            "the {} backend cannot list records (it has no way to enumerate keys); use `idem inspect <namespace> <id>`",
+            target.kind()
+        )));
+    }
+    let filter = ListFilter {
+        namespace: args.namespace.clone(),
+        state: if args.stuck {
+            Some(State::Processing)
+        } else {
+            args.state.map(State::from)
+        },
+        limit: if args.stuck { 0 } else { args.limit },
+    };
+    let mut records = backend.list(&filter).await.store("list records")?;
+    let now = Timestamp::now();
+    if args.stuck {
+        records.retain(|r| !machine::lease_is_live(r, now));
+    }
+    records.sort_by(|a, b| a.key.cmp(&b.key));
+    if args.limit > 0 {
+        records.truncate(args.limit);
+    }
+    if args.json {
+        let views: Vec<RecordView> = records.iter().map(|r| RecordView::new(r, now)).collect();
+        return print_json(&views);
+    }
+    if records.is_empty() {
+        println!("no records match");
+    } else {
+        println!("{}", records_table(&records, now));
+        println!("{} record(s)", records.len());
+    }
+    Ok(())
+}
+
+/// `idem release`: a `Processing` record becomes a retryable `Failed` one, through
+/// `fail` with the record's own token and owner, so that if the record moved on since it
+/// was read (completed, taken over), nothing changes.
+pub async fn release(args: &ReleaseArgs) -> Result<()> {
+    let key_args = &args.target.key;
+    let key = key_of(key_args)?;
+    let (_, store) = open(&key_args.backend.backend).await?;
+    let Some(record) = read(&store, &key).await? else {
+        return Err(Error::Refused(format!(
+            "no record for {key}: nothing to release"
+        )));
+    };
+    let now = Timestamp::now();
+    if record.state != State::Processing {
+        return Err(Error::Refused(format!(
+            "{key} is {}, not processing: nothing to release",
+            record.state.as_str()
+        )));
+    }
+    if machine::lease_is_live(&record, now) && !args.force {
+        return Err(Error::Refused(format!(
+            "the lease on {key} is live (owner {}, until {}): its worker may still be running; wait for it to lapse, or pass --force to let another worker run it now",
+            record.owner,
+            crate::show::when(record.lease_until.unwrap_or(now), now)
+        )));
+    }
+    println!("{}", record_text(&record, now));
+    confirm(
+        &format!(
+            "release {key} (token {}, owner {})",
+            record.token, record.owner
+        ),
+        args.target.yes.yes,
+    )?;
+    let lease = Lease {
+        key: key.clone(),
+        owner: record.owner.clone(),
+        token: record.token,
+        attempts: record.attempts,
+        lease_until: record.lease_until.unwrap_or(now),
+        kind: ClaimKind::Takeover,
+    };
+    let backend = store.backend();
+    match backend
+        .fail(&lease, &args.reason, FailureKind::Retry, args.retention)
+        .await
+    {
+        Ok(()) => {
+            println!(
+                "released {key}: now failed and retryable; the next claim runs attempt {} if the consumer allows that many",
+                record.attempts + 1
+            );
+            Ok(())
+        }
+        Err(CoreError::Fenced { token, .. }) => Err(Error::Refused(format!(
+            "{key} changed after it was read (token {token} no longer holds the record): nothing released"
+        ))),
+        Err(e) => Err(e).store(format!("release {key}")),
+    }
+}
+
+/// `idem delete`: removes one record, whatever its state.
+pub async fn delete(args: &ChangeKeyArgs) -> Result<()> {
+    let key = key_of(&args.key)?;
+    let (_, store) = open(&args.key.backend.backend).await?;
+    let Some(record) = read(&store, &key).await? else {
+        println!("no record for {key}: nothing to delete");
+        return Ok(());
+    };
+    println!("{}", record_text(&record, Timestamp::now()));
+    confirm(
+        &format!("delete {key} (a later delivery of its message runs the handler again)"),
+        args.yes.yes,
+    )?;
+    let existed = store
+        .backend()
+        .delete(&key)
+        .await
+        .store(format!("delete {key}"))?;
+    if existed {
+        println!("deleted {key}");
+    } else {
+        println!("{key} was already gone");
+    }
+    Ok(())
+}
+
+/// `idem purge`: drops expired records.
+pub async fn purge(args: &ChangeArgs) -> Result<()> {
+    let (target, store) = open(&args.backend.backend).await?;
+    confirm(
+        &format!("purge expired records from {target}"),
+        args.yes.yes,
+    )?;
+    let backend = store.backend();
+    let n = backend.purge_expired().await.store("purge")?;
+    let native = if backend.capabilities().native_expiry {
+        " (this store also expires records by itself)"
+    } else {
+        ""
+    };
+    println!("purged {n} expired record(s){native}");
+    Ok(())
+}
+
+/// `idem migrate`: PostgreSQL migrations or the DynamoDB table.
+pub async fn migrate(args: &ChangeArgs) -> Result<()> {
+    let (target, store) = open(&args.backend.backend).await?;
+    confirm(&format!("migrate {target}"), args.yes.yes)?;
+    println!("{}", store.migrate().await?);
+    Ok(())
+}

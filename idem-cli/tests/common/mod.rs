@@ -1,0 +1,211 @@
+//! Shared helpers: running the `idem` binary, and one operator scenario every store runs.
+#![allow(dead_code)]
+
+use std::process::Output;
+use std::sync::Arc;
+use std::time::Duration;
+
+use assert_cmd::cargo::cargo_bin_cmd;
+use bytes::Bytes;
+use idem_core::{Backend, Claim, ClaimKind, ClaimOutcome, Key, Lease, State};
+
+/// Runs `idem` with `args`, no stdin, and returns what it did.
+pub fn idem(args: &[&str]) -> Output {
+    cargo_bin_cmd!("idem")
+        .args(args)
+        .env_remove("IDEM_BACKEND")
+        .env_remove("IDEM_DEMO_FORCE_DOUBLE_CHARGE")
+        .output()
+        .expect("run idem")
+}
+
+/// stdout and stderr as text.
+pub fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs `idem` and requires success; returns stdout.
+pub fn ok(args: &[&str]) -> String {
+    let out = idem(args);
+    let (stdout, stderr) = text(&out);
+    assert!(
+        out.status.success(),
+        "idem {args:?} failed ({:?}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    stdout
+}
+
+/// Runs `idem` and requires failure with `code`; returns stderr.
+pub fn fails(args: &[&str], code: i32) -> String {
+    let out = idem(args);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "idem {args:?}:\n{stdout}\n{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    stderr
+}
+
+/// `idem inspect --json` of a key, parsed.
+pub fn inspect(url: &str, key: &Key) -> serde_json::Value {
+    let out = ok(&["inspect", "-b", url, key.namespace(), key.id(), "--json"]);
+    serde_json::from_str(&out).expect("inspect --json is JSON")
+}
+
+fn claim(key: &Key, owner: &str, lease: Duration) -> Claim {
+    Claim {
+        key: key.clone(),
+        owner: owner.into(),
+        lease_ttl: lease,
+        fingerprint: None,
+        max_attempts: 5,
+        retention: Duration::from_secs(600),
+    }
+}
+
+async fn acquire(b: &dyn Backend, key: &Key, owner: &str, lease: Duration) -> Lease {
+    match b.claim(&claim(key, owner, lease)).await.expect("claim") {
+        ClaimOutcome::Acquired(l) => l,
+        other => panic!("claim of {key}: {other:?}"),
+    }
+}
+
+/// The operator commands against a real store at `url`, with `backend` (the same store)
+/// used to set records up and check what the commands did. Keys live in `namespace`.
+pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: &str) {
+    let b = backend.as_ref();
+    let key = |id: &str| Key::new(namespace, id).expect("key");
+    let long = Duration::from_secs(60);
+
+    // inspect: a live Processing record, readable and as JSON.
+    let held = key("held");
+    let lease = acquire(b, &held, "worker-1", long).await;
+    let shown = ok(&["inspect", "-b", url, namespace, "held"]);
+    assert!(shown.contains("state: processing (lease live)"), "{shown}");
+    assert!(shown.contains("owner: worker-1"), "{shown}");
+    let json = inspect(url, &held);
+    assert_eq!(json["state"], "processing");
+    assert_eq!(json["token"], lease.token);
+    assert_eq!(json["lease_lapsed"], false);
+
+    // release: refused without --yes (no terminal), and while the lease is live.
+    let args = ["release", "-b", url, namespace, "held"];
+    let err = fails(&[&args[..], &["--force"]].concat(), 2);
+    assert!(
+        err.contains("without confirmation") && err.contains("--yes"),
+        "{err}"
+    );
+    let err = fails(&[&args[..], &["--yes"]].concat(), 1);
+    assert!(err.contains("lease on") && err.contains("is live"), "{err}");
+    let rec = b.get(&held).await.expect("get").expect("record");
+    assert_eq!((rec.state, rec.token), (State::Processing, lease.token));
+
+    // release --force --yes: Failed and retryable, and the old holder is fenced.
+    let out = ok(&[
+        &args[..],
+        &["--force", "--yes", "--reason", "stuck in test"],
+    ]
+    .concat());
+    assert!(out.contains("now failed and retryable"), "{out}");
+    let rec = b.get(&held).await.expect("get").expect("record");
+    assert_eq!(rec.state, State::Failed);
+    assert_eq!(rec.error.as_deref(), Some("stuck in test"));
+    assert!(!rec.permanent);
+    let late = b.complete(&lease, Bytes::from_static(b"late"), long).await;
+    assert!(
+        matches!(late, Err(e) if e.is_fenced()),
+        "old holder not fenced"
+    );
+    let retry = acquire(b, &held, "worker-2", long).await;
+    assert_eq!(
+        (retry.kind, retry.token),
+        (ClaimKind::Retry, lease.token + 1)
+    );
+
+    // release refuses a record that is not Processing, and a missing one.
+    let done = key("done");
+    let l = acquire(b, &done, "worker-1", long).await;
+    b.complete(&l, Bytes::from_static(b"receipt r-1"), long)
+        .await
+        .expect("complete");
+    let err = fails(&["release", "-b", url, namespace, "done", "--yes"], 1);
+    assert!(err.contains("is completed, not processing"), "{err}");
+    let err = fails(&["release", "-b", url, namespace, "nothing", "--yes"], 1);
+    assert!(err.contains("no record"), "{err}");
+    let shown = ok(&["inspect", "-b", url, namespace, "done"]);
+    assert!(
+        shown.contains("response: 11 bytes: \"receipt r-1\""),
+        "{shown}"
+    );
+
+    // delete: refused without --yes; then gone.
+    let err = fails(&["delete", "-b", url, namespace, "done"], 2);
+    assert!(err.contains("refusing to delete"), "{err}");
+    assert!(b.get(&done).await.expect("get").is_some());
+    let out = ok(&["delete", "-b", url, namespace, "done", "--yes"]);
+    assert!(out.contains(&format!("deleted {done}")), "{out}");
+    assert!(b.get(&done).await.expect("get").is_none());
+    assert_eq!(inspect(url, &done), serde_json::Value::Null);
+    let out = ok(&["delete", "-b", url, namespace, "done", "--yes"]);
+    assert!(out.contains("nothing to delete"), "{out}");
+
+    // A lease that lapses and a record that expires, for list --stuck and purge.
+    let stuck = key("stuck");
+    acquire(b, &stuck, "worker-dead", Duration::from_millis(300)).await;
+    let expired = key("expired");
+    let l = acquire(b, &expired, "worker-1", long).await;
+    b.complete(&l, Bytes::from_static(b"old"), Duration::from_millis(1))
+        .await
+        .expect("complete");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+
+    // list --state processing --stuck: only the lapsed lease.
+    let list = [
+        "list",
+        "-b",
+        url,
+        "-n",
+        namespace,
+        "--state",
+        "processing",
+        "--stuck",
+    ];
+    if b.capabilities().list {
+        let out = ok(&[&list[..], &["--json"]].concat());
+        let rows: serde_json::Value = serde_json::from_str(&out).expect("list JSON");
+        let ids: Vec<&str> = rows
+            .as_array()
+            .expect("array")
+            .iter()
+            .filter_map(|r| r["id"].as_str())
+            .collect();
+        assert_eq!(ids, ["stuck"], "{out}");
+        let table = ok(&list);
+        assert!(
+            table.contains("processing (lease lapsed)") && table.contains("1 record(s)"),
+            "{table}"
+        );
+    } else {
+        let err = fails(&list, 1);
+        assert!(err.contains("cannot list records"), "{err}");
+    }
+    let err = fails(&["list", "-b", url, "--state", "failed", "--stuck"], 1);
+    assert!(err.contains("--stuck"), "{err}");
+
+    // purge: refused without --yes, then runs.
+    let err = fails(&["purge", "-b", url], 2);
+    assert!(err.contains("refusing to purge"), "{err}");
+    let out = ok(&["purge", "-b", url, "--yes"]);
+    if b.capabilities().native_expiry {
+        assert!(out.contains("purged "), "{out}");
+    } else {
+        assert!(out.contains("purged 1 expired record(s)"), "{out}");
+    }
+    assert_eq!(inspect(url, &expired), serde_json::Value::Null);
+}
