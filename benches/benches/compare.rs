@@ -40,6 +40,7 @@ fn claim(id: u64) -> Claim {
 enum Raw {
     Map(Mutex<HashMap<String, Bytes>>),
     Redis(redis::aio::ConnectionManager),
+    Dynamo(aws_sdk_dynamodb::Client),
     Postgres(sqlx::PgPool),
 }
 
@@ -61,6 +62,19 @@ impl Raw {
                     .query_async::<redis::Value>(&mut conn)
                     .await
                     .expect("SET NX PX");
+            }
+            Raw::Dynamo(client) => {
+                use aws_sdk_dynamodb::primitives::Blob;
+                use aws_sdk_dynamodb::types::AttributeValue;
+                client
+                    .put_item()
+                    .table_name(DYNAMO_TABLE)
+                    .item("pk", AttributeValue::S(format!("raw/{k}")))
+                    .item("v", AttributeValue::B(Blob::new(BODY)))
+                    .condition_expression("attribute_not_exists(pk)")
+                    .send()
+                    .await
+                    .expect("conditional PutItem");
             }
             Raw::Postgres(pool) => {
                 sqlx::query(
@@ -95,6 +109,12 @@ async fn subjects() -> Vec<Subject> {
             "compare: redis skipped: IDEM_REDIS_URL is not set (eval \"$(scripts/services up)\")"
         ),
     }
+    match std::env::var("IDEM_DYNAMO_ENDPOINT") {
+        Ok(endpoint) => out.push(dynamo_subject(&endpoint).await),
+        Err(_) => println!(
+            "compare: dynamodb skipped: IDEM_DYNAMO_ENDPOINT is not set (eval \"$(scripts/services up)\")"
+        ),
+    }
     match std::env::var("IDEM_POSTGRES_URL") {
         Ok(url) => out.push(postgres(&url).await),
         Err(_) => println!(
@@ -116,6 +136,20 @@ async fn redis_subject(url: &str) -> Subject {
         name: "redis",
         backend: Arc::new(backend),
         raw: Raw::Redis(raw),
+    }
+}
+
+const DYNAMO_TABLE: &str = "idem-compare";
+
+async fn dynamo_subject(endpoint: &str) -> Subject {
+    use idem_dynamo::{DynamoBackend, DynamoConfig};
+    let config = DynamoConfig::local(endpoint, DYNAMO_TABLE);
+    let backend = DynamoBackend::connect(config).await.expect("connect");
+    backend.create_table().await.expect("create table");
+    Subject {
+        name: "dynamodb",
+        raw: Raw::Dynamo(backend.client().clone()),
+        backend: Arc::new(backend),
     }
 }
 

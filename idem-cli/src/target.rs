@@ -5,8 +5,10 @@
 //!   `?prefix=p` sets the key prefix (default `idem:`).
 //! - `postgres://user@host:port/db` (also `postgresql://`); `?schema=name` picks the schema
 //!   (default `idem`); other parameters go to the driver.
-//! - `dynamodb://<table>?endpoint=http://host:port&region=…`; `endpoint` is optional (the
-//!   SDK's default resolution is used without it), `region` defaults to the SDK's.
+//! - `dynamodb://<table>?endpoint=http://host:port&region=…`; without `endpoint` the SDK
+//!   resolves AWS's, and region and credentials come from the AWS chain (environment,
+//!   profile). With an `endpoint` (DynamoDB Local), the region defaults to `us-east-1` and,
+//!   when the environment has no `AWS_ACCESS_KEY_ID`, placeholder credentials are used.
 
 use std::fmt;
 use std::sync::Arc;
@@ -104,6 +106,18 @@ impl Target {
                     .store(what)?;
                 Ok(Store::Redis(backend))
             }
+            #[cfg(feature = "dynamo")]
+            Target::Dynamo {
+                table,
+                endpoint,
+                region,
+            } => {
+                let config = dynamo_config(table, endpoint.as_deref(), region.as_deref());
+                let backend = idem_dynamo::DynamoBackend::connect(config)
+                    .await
+                    .store(what)?;
+                Ok(Store::Dynamo(backend))
+            }
             #[cfg(feature = "postgres")]
             Target::Postgres { url, schema } => {
                 let config = idem_postgres::PgConfig::new(url.clone())
@@ -125,6 +139,28 @@ impl Target {
             }
         }
     }
+}
+
+/// The DynamoDB configuration for `table` on the endpoint and region of a `dynamodb://`
+/// URL (see the module docs for the defaults).
+#[cfg(feature = "dynamo")]
+pub fn dynamo_config(
+    table: &str,
+    endpoint: Option<&str>,
+    region: Option<&str>,
+) -> idem_dynamo::DynamoConfig {
+    let mut config = idem_dynamo::DynamoConfig::new(table);
+    if let Some(endpoint) = endpoint {
+        config = config
+            .with_endpoint(endpoint)
+            .with_region(region.unwrap_or("us-east-1"));
+        if std::env::var_os("AWS_ACCESS_KEY_ID").is_none() {
+            config = config.with_static_credentials("idem", "idem-local", None);
+        }
+    } else if let Some(region) = region {
+        config = config.with_region(region);
+    }
+    config
 }
 
 /// How to connect.
@@ -304,6 +340,9 @@ pub enum Store {
     /// PostgreSQL.
     #[cfg(feature = "postgres")]
     Postgres(idem_postgres::PgBackend),
+    /// DynamoDB.
+    #[cfg(feature = "dynamo")]
+    Dynamo(idem_dynamo::DynamoBackend),
 }
 
 impl Store {
@@ -315,6 +354,8 @@ impl Store {
             Store::Redis(b) => Arc::new(b.clone()),
             #[cfg(feature = "postgres")]
             Store::Postgres(b) => Arc::new(b.clone()),
+            #[cfg(feature = "dynamo")]
+            Store::Dynamo(b) => Arc::new(b.clone()),
         }
     }
 
@@ -330,6 +371,14 @@ impl Store {
                 Ok(format!(
                     "postgres: schema {} is migrated (idem_records, idem_offsets)",
                     b.schema()
+                ))
+            }
+            #[cfg(feature = "dynamo")]
+            Store::Dynamo(b) => {
+                b.create_table().await.store("create the table")?;
+                Ok(format!(
+                    "dynamodb: table {} exists, with TTL on expires_at",
+                    b.config().table()
                 ))
             }
         }

@@ -1,6 +1,6 @@
 //! `idem bench` writes a report with real numbers: every workload ran, on memory, a real
-//! Redis (IDEM_REDIS_URL) and a real PostgreSQL (IDEM_POSTGRES_URL), and the ratios are
-//! those of the numbers.
+//! Redis (IDEM_REDIS_URL), a real PostgreSQL (IDEM_POSTGRES_URL) and DynamoDB Local
+//! (IDEM_DYNAMO_ENDPOINT), and the ratios are those of the numbers.
 
 mod common;
 
@@ -11,6 +11,8 @@ use serde_json::Value;
 fn bench_writes_json_and_svg_with_real_numbers() {
     let pg = conformance::service_env("IDEM_POSTGRES_URL");
     let redis = conformance::service_env("IDEM_REDIS_URL");
+    let endpoint = conformance::service_env("IDEM_DYNAMO_ENDPOINT");
+    let dynamo = format!("dynamodb://idem?endpoint={endpoint}");
     let out = tempfile::tempdir().expect("temp dir");
     let dir = out.path().to_str().expect("utf-8 path");
     let table = ok(&[
@@ -21,6 +23,8 @@ fn bench_writes_json_and_svg_with_real_numbers() {
         &redis,
         "-b",
         &pg,
+        "-b",
+        &dynamo,
         "--concurrency",
         "1,4",
         "--batch",
@@ -40,14 +44,18 @@ fn bench_writes_json_and_svg_with_real_numbers() {
         "{table}"
     );
     assert!(table.contains("redis: SET NX PX"), "{table}");
+    assert!(table.contains("dynamodb: conditional PutItem"), "{table}");
 
     let json = std::fs::read_to_string(out.path().join("bench.json")).expect("bench.json");
     let report: Value = serde_json::from_str(&json).expect("bench.json is JSON");
     let cells = report["cells"].as_array().expect("cells");
-    assert_eq!(cells.len(), 3 * 2 * 2, "{json}");
+    assert_eq!(cells.len(), 4 * 2 * 2, "{json}");
     for cell in cells {
         let backend = cell["backend"].as_str().expect("backend");
-        assert!(["memory", "redis", "postgres"].contains(&backend), "{cell}");
+        assert!(
+            ["memory", "redis", "postgres", "dynamodb"].contains(&backend),
+            "{cell}"
+        );
         let batch = cell["batch"].as_u64().expect("batch");
         for work in ["raw", "claim_complete", "replay"] {
             let m = &cell[work];
@@ -77,6 +85,7 @@ fn bench_writes_json_and_svg_with_real_numbers() {
         "memory claim+complete, batch 1",
         "redis claim+complete, batch 8",
         "postgres claim+complete, batch 8",
+        "dynamodb claim+complete, batch 8",
     ] {
         assert!(svg.contains(label), "plot lacks {label}");
     }

@@ -43,6 +43,8 @@ enum Cleanup {
     DropSchema(sqlx::PgPool, String),
     #[cfg(feature = "redis")]
     DeletePrefix(redis::aio::ConnectionManager, String),
+    #[cfg(feature = "dynamo")]
+    DeleteTable(aws_sdk_dynamodb::Client, String),
 }
 
 impl Subject {
@@ -61,6 +63,17 @@ impl Subject {
             Target::Redis { urls, .. } => redis_subject(urls, tag, shown).await,
             #[cfg(feature = "postgres")]
             Target::Postgres { url, .. } => postgres(url, tag, workers, shown).await,
+            #[cfg(feature = "dynamo")]
+            Target::Dynamo {
+                table,
+                endpoint,
+                region,
+            } => {
+                let table = format!("{table}-bench-{tag}");
+                let config =
+                    crate::target::dynamo_config(&table, endpoint.as_deref(), region.as_deref());
+                dynamo(config, shown).await
+            }
             #[allow(unreachable_patterns)]
             other => {
                 let _ = (tag, workers);
@@ -84,6 +97,17 @@ impl Subject {
                     .await
                     .map_err(|e| idem_core::Error::unavailable("DROP SCHEMA", e))
                     .store(format!("drop the bench schema {schema}"))?;
+                Ok(())
+            }
+            #[cfg(feature = "dynamo")]
+            Some(Cleanup::DeleteTable(client, table)) => {
+                client
+                    .delete_table()
+                    .table_name(&table)
+                    .send()
+                    .await
+                    .map_err(|e| idem_core::Error::unavailable("DeleteTable", e))
+                    .store(format!("delete the bench table {table}"))?;
                 Ok(())
             }
             #[cfg(feature = "redis")]
@@ -237,6 +261,72 @@ impl Raw for SetNx {
             }
         };
         done.map_err(|e| idem_core::Error::unavailable("SET NX PX", e))
+            .store("raw baseline")
+    }
+}
+
+/// DynamoDB: the backend on a table of its own, created here and deleted at the end.
+#[cfg(feature = "dynamo")]
+async fn dynamo(config: idem_dynamo::DynamoConfig, shown: String) -> Result<Subject> {
+    let table = config.table().to_owned();
+    let backend = idem_dynamo::DynamoBackend::connect(config)
+        .await
+        .store(format!("connect to {shown}"))?;
+    backend
+        .create_table()
+        .await
+        .store(format!("create the bench table {table}"))?;
+    let client = backend.client().clone();
+    Ok(Subject {
+        kind: "dynamodb",
+        shown,
+        backend: Arc::new(backend),
+        raw: Arc::new(PutIfAbsent {
+            client: client.clone(),
+            table: table.clone(),
+        }),
+        cleanup: Some(Cleanup::DeleteTable(client, table)),
+    })
+}
+
+/// A conditional `PutItem` (`attribute_not_exists(pk)`) per key, through the backend's
+/// own SDK client; a batch runs its puts concurrently (DynamoDB has no conditional batch
+/// write outside transactions).
+#[cfg(feature = "dynamo")]
+struct PutIfAbsent {
+    client: aws_sdk_dynamodb::Client,
+    table: String,
+}
+
+#[cfg(feature = "dynamo")]
+#[async_trait]
+impl Raw for PutIfAbsent {
+    fn name(&self) -> &'static str {
+        "conditional PutItem"
+    }
+
+    async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
+        use aws_sdk_dynamodb::primitives::Blob;
+        use aws_sdk_dynamodb::types::AttributeValue;
+
+        let expires = idem_core::Timestamp::now()
+            .saturating_add(RETENTION)
+            .as_millis()
+            / 1000;
+        let puts = keys.iter().map(|k| {
+            self.client
+                .put_item()
+                .table_name(&self.table)
+                .item("pk", AttributeValue::S(format!("raw/{k}")))
+                .item("v", AttributeValue::B(Blob::new(value.to_vec())))
+                .item("expires_at", AttributeValue::N(expires.to_string()))
+                .condition_expression("attribute_not_exists(pk)")
+                .send()
+        });
+        futures::future::try_join_all(puts)
+            .await
+            .map(drop)
+            .map_err(|e| idem_core::Error::unavailable("conditional PutItem", e))
             .store("raw baseline")
     }
 }
