@@ -189,6 +189,29 @@ fn record(broker: &str, which: &'static str, took: Duration) {
         .push((broker.to_owned(), which, rate));
 }
 
+/// Runs `run` `iters` times, noting each rate, and returns the total time measured.
+fn timed<F, Fut>(
+    rt: &tokio::runtime::Runtime,
+    iters: u64,
+    broker: &str,
+    which: &'static str,
+    run: F,
+) -> Duration
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Duration>,
+{
+    rt.block_on(async {
+        let mut total = Duration::ZERO;
+        for _ in 0..iters {
+            let took = run().await;
+            record(broker, which, took);
+            total += took;
+        }
+        total
+    })
+}
+
 fn on_broker(
     c: &mut Criterion,
     rt: &tokio::runtime::Runtime,
@@ -204,30 +227,10 @@ fn on_broker(
         .warm_up_time(Duration::from_millis(1))
         .measurement_time(Duration::from_secs(1));
     g.bench_function("bare_stream_consumer", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let took = bare(brokers, topic).await;
-                    record(name, "bare", took);
-                    total += took;
-                }
-                total
-            })
-        })
+        b.iter_custom(|iters| timed(rt, iters, name, "bare", || bare(brokers, topic)))
     });
     g.bench_function("idem_loop_memory", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let took = idem(brokers, topic).await;
-                    record(name, "idem", took);
-                    total += took;
-                }
-                total
-            })
-        })
+        b.iter_custom(|iters| timed(rt, iters, name, "idem", || idem(brokers, topic)))
     });
     g.finish();
 }

@@ -40,7 +40,7 @@ impl Backoff {
 /// Where a running handler future lives, so that it can be moved to a task of its own if
 /// its partition is given up while it runs, and so its response survives a failed store.
 #[derive(Default)]
-struct Slot {
+pub(crate) struct Slot {
     state: Mutex<SlotState>,
 }
 
@@ -139,6 +139,27 @@ impl Worker {
         }
     }
 
+    /// Polls `work` unless the consumer crashes (`Dead`) or the partition is given up
+    /// (`Stop`) first. Given up, a handler still running in `slot` moves to a task of its
+    /// own: it runs to its end, but nothing stores its result and no heartbeat extends its
+    /// lease.
+    pub(crate) async fn guarded<T>(
+        &self,
+        work: impl Future<Output = T>,
+        slot: Option<(&Slot, &tracing::Span)>,
+    ) -> Result<T, Flow> {
+        let result = tokio::select! {
+            biased;
+            r = work => Ok(r),
+            () = self.shared.dead.cancelled() => Err(Flow::Dead),
+            () = self.state.abandon.cancelled() => Err(Flow::Stop),
+        };
+        if let (Err(Flow::Stop), Some((slot, span))) = (&result, slot) {
+            slot.detach(&self.shared.runtime, span.clone());
+        }
+        result
+    }
+
     /// Settles a claim's answer through [`Engine::settle`](idem_core::Engine::settle):
     /// under an acquired lease the handler runs (renewing a lease that waited in its
     /// batch first); any other answer becomes its outcome. `Err` when the partition was
@@ -167,25 +188,12 @@ impl Worker {
             }
         }
         let slot = Arc::new(Slot::default());
-        let settled = {
-            let answer = ClaimOutcome::Acquired(lease.clone());
-            let run = engine
-                .settle(answer, |ctx| self.start(&slot, msg, Some(ctx)))
-                .instrument(span.clone());
-            tokio::select! {
-                biased;
-                r = run => Ok(r),
-                () = self.shared.dead.cancelled() => Err(Flow::Dead),
-                () = self.state.abandon.cancelled() => Err(Flow::Stop),
-            }
-        };
-        match settled {
-            Err(flow) => {
-                if flow == Flow::Stop {
-                    slot.detach(&self.shared.runtime, span.clone());
-                }
-                Err(flow)
-            }
+        let answer = ClaimOutcome::Acquired(lease.clone());
+        let run = engine
+            .settle(answer, |ctx| self.start(&slot, msg, Some(ctx)))
+            .instrument(span.clone());
+        match self.guarded(run, Some((&slot, span))).await {
+            Err(flow) => Err(flow),
             Ok(Err(e)) => match slot.response() {
                 // The handler ran and returned, but storing its response failed.
                 Some(response) => {
@@ -231,24 +239,11 @@ impl Worker {
         loop {
             attempt += 1;
             let slot = Arc::new(Slot::default());
-            let ran = {
-                let run = AssertUnwindSafe(self.start(&slot, msg, None))
-                    .catch_unwind()
-                    .instrument(span.clone());
-                tokio::select! {
-                    biased;
-                    r = run => Ok(r),
-                    () = self.shared.dead.cancelled() => Err(Flow::Dead),
-                    () = self.state.abandon.cancelled() => Err(Flow::Stop),
-                }
-            };
-            let error = match ran {
-                Err(flow) => {
-                    if flow == Flow::Stop {
-                        slot.detach(&self.shared.runtime, span.clone());
-                    }
-                    return flow;
-                }
+            let run = AssertUnwindSafe(self.start(&slot, msg, None))
+                .catch_unwind()
+                .instrument(span.clone());
+            let error = match self.guarded(run, Some((&slot, span))).await {
+                Err(flow) => return flow,
                 Ok(Ok(Ok(_))) => {
                     self.counters.executed.increment(1);
                     span.record("outcome", "executed-without-key");

@@ -164,11 +164,12 @@ impl Worker {
                 error,
                 attempts,
             };
-            let sent = tokio::select! {
-                biased;
-                () = self.shared.dead.cancelled() => return Flow::Dead,
-                () = self.state.abandon.cancelled() => return Flow::Stop,
-                r = self.shared.dead_letters.send(&letter) => r,
+            let sent = match self
+                .guarded(self.shared.dead_letters.send(&letter), None)
+                .await
+            {
+                Ok(sent) => sent,
+                Err(flow) => return flow,
             };
             match sent {
                 Ok(()) => {

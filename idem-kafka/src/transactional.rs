@@ -72,12 +72,8 @@ impl Worker {
                 .boxed()
             })
             .instrument(item.span.clone());
-        tokio::select! {
-            biased;
-            r = run => Ok(r),
-            () = self.shared.dead.cancelled() => Err(Flow::Dead),
-            () = self.state.abandon.cancelled() => Err(Flow::Stop),
-        }
+        // Given up or crashed, the transaction is dropped: it rolls back.
+        self.guarded(run, None).await
     }
 
     /// After a dead letter in transactional mode, the offset past it is stored in

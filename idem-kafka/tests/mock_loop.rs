@@ -7,11 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{
-    Effects, Out, Recorder, committed, consumer_config, engine, mock, produce, shutdown, unique,
-};
+use common::{Effects, Out, Recorder, builder, committed, engine, mock, produce, start, unique};
 use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
-use idem_kafka::{IdemConsumer, KeySource};
+use idem_kafka::KeySource;
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -42,29 +40,22 @@ async fn duplicate_is_replayed_not_rerun() {
     let effects = Effects::new();
     let recorder = Recorder::new();
     let group = unique("g");
-    let (stop, signal) = shutdown();
     let fx = effects.clone();
-    let consumer = IdemConsumer::builder(consumer_config(&brokers))
-        .topics([topic.clone()])
-        .group(group.clone())
-        .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
-        .commit_interval(Duration::from_millis(100))
-        .probe(recorder.clone())
-        .shutdown(signal)
-        .handler(move |msg, ctx| {
-            let fx = fx.clone();
-            async move {
-                assert!(ctx.is_some(), "keyed messages run under a lease");
-                let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
-                Ok::<_, HandlerError>(fx.apply(&id))
-            }
-        })
-        .build()
-        .unwrap();
-    let task = tokio::spawn(consumer.run());
+    let running = start(
+        builder(&brokers, &topic, &group)
+            .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
+            .handler(move |msg, ctx| {
+                let fx = fx.clone();
+                async move {
+                    assert!(ctx.is_some(), "keyed messages run under a lease");
+                    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                    Ok::<_, HandlerError>(fx.apply(&id))
+                }
+            }),
+        &recorder,
+    );
     recorder.wait_settled(msgs.len(), WAIT).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
 
     assert_eq!(effects.distinct(), 20);
     assert_eq!(effects.total(), 20, "no duplicate ran the handler again");
@@ -95,28 +86,16 @@ async fn json_pointer_key_source() {
     let backend = Arc::new(MemoryBackend::new());
     let effects = Effects::new();
     let recorder = Recorder::new();
-    let (stop, signal) = shutdown();
-    let fx = effects.clone();
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(unique("g"))
+    let running = start(
+        builder(&brokers, &topic, &unique("g"))
             .namespace("payments")
             .key_source(KeySource::json_pointer("/payment/id"))
             .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
-            .probe(recorder.clone())
-            .shutdown(signal)
-            .handler(move |msg, _| {
-                let fx = fx.clone();
-                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
-            })
-            .build()
-            .unwrap()
-            .run(),
+            .handler(effects.by_key()),
+        &recorder,
     );
     recorder.wait_settled(10, WAIT).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!((effects.distinct(), effects.total()), (5, 5));
     let key = Key::new("payments", "p3").unwrap();
     assert_eq!(
@@ -155,18 +134,13 @@ async fn bad_messages_end_in_the_dead_letter_topic_with_headers() {
     let effects = Effects::new();
     let recorder = Recorder::new();
     let group = unique("g");
-    let (stop, signal) = shutdown();
     let fx = effects.clone();
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+    let running = start(
+        builder(&brokers, &topic, &group)
             .key_source(KeySource::json_pointer("/id"))
             .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
             .retry_backoff(Duration::from_millis(5), Duration::from_millis(50))
             .commit_interval(Duration::from_millis(100))
-            .probe(recorder.clone())
-            .shutdown(signal)
             .handler(move |msg, _| {
                 let fx = fx.clone();
                 async move {
@@ -178,14 +152,11 @@ async fn bad_messages_end_in_the_dead_letter_topic_with_headers() {
                         _ => Ok(Bytes::from(id)),
                     }
                 }
-            })
-            .build()
-            .unwrap()
-            .run(),
+            }),
+        &recorder,
     );
     recorder.wait_settled(msgs.len(), WAIT).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
 
     assert_eq!(effects.runs("a"), 1);
     assert_eq!(effects.runs("b"), 1);
@@ -249,24 +220,13 @@ async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
     };
     let effects = Effects::new();
     let recorder = Recorder::new();
-    let (stop, signal) = shutdown();
-    let fx = effects.clone();
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+    let running = start(
+        builder(&brokers, &topic, &group)
             .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
             .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
             .commit_interval(Duration::from_millis(50))
-            .probe(recorder.clone())
-            .shutdown(signal)
-            .handler(move |msg, _| {
-                let fx = fx.clone();
-                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
-            })
-            .build()
-            .unwrap()
-            .run(),
+            .handler(effects.by_key()),
+        &recorder,
     );
     recorder.wait_settled(1, WAIT).await;
     let deadline = std::time::Instant::now() + WAIT;
@@ -296,8 +256,7 @@ async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
         .await
         .unwrap();
     recorder.wait_settled(3, WAIT).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!(
         (effects.runs("a"), effects.runs("held"), effects.runs("b")),
         (1, 0, 1)
@@ -321,24 +280,13 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     let effects = Effects::new();
     let recorder = Recorder::new();
     let group = unique("g");
-    let (stop, signal) = shutdown();
-    let fx = effects.clone();
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+    let running = start(
+        builder(&brokers, &topic, &group)
             .engine(engine(backend, "w1", Duration::from_secs(5)))
             .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
             .commit_interval(Duration::from_millis(50))
-            .probe(recorder.clone())
-            .shutdown(signal)
-            .handler(move |msg, _| {
-                let fx = fx.clone();
-                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
-            })
-            .build()
-            .unwrap()
-            .run(),
+            .handler(effects.by_key()),
+        &recorder,
     );
     // The claim is failing: the partition stalls before running anything.
     let deadline = std::time::Instant::now() + WAIT;
@@ -379,8 +327,7 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     assert_eq!(effects.total(), 11);
     faulty.set(Fault::Complete, false);
     recorder.wait_settled(15, WAIT).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!((effects.distinct(), effects.total()), (15, 15));
     for i in 0..15 {
         let key = Key::new(group.as_str(), format!("k{i}")).unwrap();
@@ -403,17 +350,11 @@ async fn two_consumers_in_one_group_rebalance() {
     let backend = Arc::new(MemoryBackend::new());
     let effects = Effects::new();
     let recorder = Recorder::new();
-    let start = |owner: &'static str, mine: Arc<Effects>| {
-        let (stop, signal) = shutdown();
+    let launch = |owner: &'static str, mine: Arc<Effects>| {
         let fx = effects.clone();
-        let consumer = IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+        let consumer = builder(&brokers, &topic, &group)
             .engine(engine(backend.clone(), owner, Duration::from_secs(5)))
             .batch_size(20)
-            .commit_interval(Duration::from_millis(100))
-            .probe(recorder.clone())
-            .shutdown(signal)
             .handler(move |msg, _| {
                 let (fx, mine) = (fx.clone(), mine.clone());
                 async move {
@@ -422,20 +363,16 @@ async fn two_consumers_in_one_group_rebalance() {
                     mine.apply(id);
                     Ok(fx.apply(id))
                 }
-            })
-            .build()
-            .unwrap();
-        (stop, tokio::spawn(consumer.run()))
+            });
+        start(consumer, &recorder)
     };
     let (a_runs, b_runs) = (Effects::new(), Effects::new());
-    let (stop_a, task_a) = start("a", a_runs.clone());
+    let a = launch("a", a_runs.clone());
     recorder.wait_settled(40, WAIT).await;
-    let (stop_b, task_b) = start("b", b_runs.clone());
+    let b = launch("b", b_runs.clone());
     recorder.wait_settled(400, WAIT).await;
-    stop_a.cancel();
-    stop_b.cancel();
-    task_a.await.unwrap().unwrap();
-    task_b.await.unwrap().unwrap();
+    a.stop().await;
+    b.stop().await;
 
     assert!(
         a_runs.total() > 0 && b_runs.total() > 0,
@@ -468,11 +405,8 @@ async fn failed_commits_are_retried() {
     );
     let group = unique("g");
     let recorder = Recorder::new();
-    let (stop, signal) = shutdown();
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+    let running = start(
+        builder(&brokers, &topic, &group)
             .engine(engine(
                 Arc::new(MemoryBackend::new()),
                 "w1",
@@ -480,15 +414,11 @@ async fn failed_commits_are_retried() {
             ))
             .batch_size(5)
             .commit_interval(Duration::from_millis(50))
-            .probe(recorder.clone())
-            .shutdown(signal)
             .handler(|msg, _| async move {
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 Ok(Bytes::from(msg.offset().to_string()))
-            })
-            .build()
-            .unwrap()
-            .run(),
+            }),
+        &recorder,
     );
     recorder.wait_settled(30, WAIT).await;
     // The first commits failed; a later periodic commit carries the settled offset.
@@ -500,8 +430,7 @@ async fn failed_commits_are_retried() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -537,16 +466,12 @@ async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
     cluster.broker_down(2).unwrap();
     let effects = Effects::new();
     let recorder = Recorder::new();
-    let (stop, signal) = shutdown();
-    let fx = effects.clone();
     let mut dlq_config = idem_kafka::rdkafka::ClientConfig::new();
     dlq_config
         .set("bootstrap.servers", &brokers)
         .set("message.timeout.ms", "1000");
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+    let running = start(
+        builder(&brokers, &topic, &group)
             .engine(engine(
                 Arc::new(MemoryBackend::new()),
                 "w1",
@@ -555,15 +480,8 @@ async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
             .dead_letter_config(dlq_config)
             .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
             .commit_interval(Duration::from_millis(50))
-            .probe(recorder.clone())
-            .shutdown(signal)
-            .handler(move |msg, _| {
-                let fx = fx.clone();
-                async move { Ok(fx.apply(msg.key().map(Key::id).unwrap_or_default())) }
-            })
-            .build()
-            .unwrap()
-            .run(),
+            .handler(effects.by_key()),
+        &recorder,
     );
     recorder.wait_settled(1, WAIT).await;
     // The dead letter cannot be written: the partition holds at offset 1.
@@ -582,8 +500,7 @@ async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_RECORD; 3],
     );
     recorder.wait_settled(5, WAIT).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!(
         (effects.runs("a"), effects.runs("b"), effects.runs("c")),
         (1, 1, 1)
@@ -610,19 +527,14 @@ async fn partition_concurrency_bounds_handlers_across_partitions() {
         produce(&brokers, &topic, &msgs).await;
         let (now, max) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let recorder = Recorder::new();
-        let (stop, signal) = shutdown();
         let (n, m) = (now.clone(), max.clone());
-        let mut builder = IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(unique("g"))
+        let mut consumer = builder(&brokers, &topic, &unique("g"))
             .engine(engine(
                 Arc::new(MemoryBackend::new()),
                 "w1",
                 Duration::from_secs(5),
             ))
             .batch_size(1)
-            .probe(recorder.clone())
-            .shutdown(signal)
             .handler(move |_, _| {
                 let (n, m) = (n.clone(), m.clone());
                 async move {
@@ -634,12 +546,11 @@ async fn partition_concurrency_bounds_handlers_across_partitions() {
                 }
             });
         if let Some(limit) = limit {
-            builder = builder.partition_concurrency(limit);
+            consumer = consumer.partition_concurrency(limit);
         }
-        let task = tokio::spawn(builder.build().unwrap().run());
+        let running = start(consumer, &recorder);
         recorder.wait_settled(24, WAIT).await;
-        stop.cancel();
-        task.await.unwrap().unwrap();
+        running.stop().await;
         max.load(Ordering::SeqCst)
     };
     assert_eq!(run(Some(1)).await, 1, "one partition at a time");
@@ -660,20 +571,15 @@ async fn keyless_messages_can_be_processed_without_deduplication() {
     produce(&brokers, &topic, &msgs).await;
     let effects = Effects::new();
     let recorder = Recorder::new();
-    let (stop, signal) = shutdown();
     let fx = effects.clone();
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(unique("g"))
+    let running = start(
+        builder(&brokers, &topic, &unique("g"))
             .engine(engine(
                 Arc::new(MemoryBackend::new()),
                 "w1",
                 Duration::from_secs(5),
             ))
             .missing_key(idem_kafka::MissingKey::Process)
-            .probe(recorder.clone())
-            .shutdown(signal)
             .handler(move |msg, ctx| {
                 let fx = fx.clone();
                 async move {
@@ -684,14 +590,11 @@ async fn keyless_messages_can_be_processed_without_deduplication() {
                     };
                     Ok(fx.apply(&id))
                 }
-            })
-            .build()
-            .unwrap()
-            .run(),
+            }),
+        &recorder,
     );
     recorder.wait_settled(3, WAIT).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
     assert_eq!(effects.runs("a"), 1);
     assert_eq!(effects.runs("keyless"), 2, "no deduplication without a key");
     assert!(
@@ -724,12 +627,9 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
     );
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let recorder = Recorder::new();
-    let start = |owner: &'static str| {
-        let (stop, signal) = shutdown();
+    let launch = |owner: &'static str| {
         let runs = runs.clone();
-        let consumer = IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+        let consumer = builder(&brokers, &topic, &group)
             .engine(
                 Engine::builder(backend.clone())
                     .owner(owner)
@@ -738,9 +638,6 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
                     .unwrap(),
             )
             .revoke_timeout(Duration::from_millis(200))
-            .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
-            .probe(recorder.clone())
-            .shutdown(signal)
             .handler(move |_, ctx| {
                 let runs = runs.clone();
                 async move {
@@ -761,12 +658,10 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
                     runs.lock().unwrap()[i].3 = Some(std::time::Instant::now());
                     Ok(Bytes::from(ctx.lease().owner.clone()))
                 }
-            })
-            .build()
-            .unwrap();
-        (stop, tokio::spawn(consumer.run()))
+            });
+        start(consumer, &recorder)
     };
-    let (stop_a, task_a) = start("a");
+    let a = launch("a");
     let deadline = std::time::Instant::now() + WAIT;
     while runs.lock().unwrap().is_empty() {
         assert!(
@@ -778,7 +673,7 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
     // A second member: the partition is revoked from under the slow handler, which is
     // given up after the revoke timeout. Its heartbeat stops: the lease lapses while the
     // handler still runs.
-    let (stop_b, task_b) = start("b");
+    let b = launch("b");
     let key = Key::new(group.as_str(), "slow").unwrap();
     loop {
         let rec = backend.get(&key).await.unwrap().expect("claimed");
@@ -799,10 +694,8 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     recorder.wait_settled(1, WAIT).await;
-    stop_a.cancel();
-    stop_b.cancel();
-    task_a.await.unwrap().unwrap();
-    task_b.await.unwrap().unwrap();
+    a.stop().await;
+    b.stop().await;
 
     let runs = runs.lock().unwrap().clone();
     assert_eq!(runs.len(), 2, "{runs:?}");

@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Out, Recorder, consumer_config, counter, engine, mock, produce, shutdown, unique};
+use common::{Out, Recorder, builder, counter, engine, mock, produce, start, unique};
 use conformance::{Fault, Faulty};
 use idem_core::{Backend, HandlerError, Key, MemoryBackend};
-use idem_kafka::{IdemConsumer, metrics as names};
+use idem_kafka::metrics as names;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
@@ -106,17 +106,12 @@ async fn spans_and_counters_follow_each_message() {
     ];
     produce(&brokers, &topic, &msgs).await;
     let recorder = Recorder::new();
-    let (stop, signal) = shutdown();
     let store = backend.clone();
     let fenced_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+    let running = start(
+        builder(&brokers, &topic, &group)
             .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
             .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
-            .probe(recorder.clone())
-            .shutdown(signal)
             .handler(move |msg, ctx| {
                 let (store, fenced_once) = (store.clone(), fenced_once.clone());
                 async move {
@@ -138,10 +133,8 @@ async fn spans_and_counters_follow_each_message() {
                         ))),
                     }
                 }
-            })
-            .build()
-            .unwrap()
-            .run(),
+            }),
+        &recorder,
     );
     recorder.wait_settled(5, Duration::from_secs(30)).await;
     // "held" waits; then the store fails for a while; then the holder completes.
@@ -166,8 +159,7 @@ async fn spans_and_counters_follow_each_message() {
         .unwrap();
     faulty.set(Fault::Claim, false);
     recorder.wait_settled(6, Duration::from_secs(30)).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
 
     assert_eq!(counter(names::EXECUTED, &topic), 3, "k1, k2, fence-me");
     assert_eq!(counter(names::REPLAYED, &topic), 2, "k1 again, held");

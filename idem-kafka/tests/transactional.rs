@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Out, Recorder, committed, consumer_config, mock, produce, shutdown, unique};
+use common::{Out, Recorder, builder, committed, consumer_config, mock, produce, start, unique};
 use futures::FutureExt;
 use idem_core::{Backend, HandlerError, Key, State};
 use idem_kafka::{IdemConsumer, MissingKey};
@@ -40,15 +40,10 @@ async fn writes_record_and_offset_commit_together_and_assign_seeks_to_postgres()
     pg.store_offset(&at).await.unwrap();
 
     let recorder = Recorder::new();
-    let (stop, signal) = shutdown();
     let table = ledger.clone();
-    let task = tokio::spawn(
-        IdemConsumer::builder(consumer_config(&brokers))
-            .topics([topic.clone()])
-            .group(group.clone())
+    let running = start(
+        builder(&brokers, &topic, &group)
             .commit_interval(Duration::from_millis(100))
-            .probe(recorder.clone())
-            .shutdown(signal)
             .transactional(pg.clone(), move |msg, tx, lease| {
                 let table = table.clone();
                 async move {
@@ -67,14 +62,11 @@ async fn writes_record_and_offset_commit_together_and_assign_seeks_to_postgres()
                     Ok(Bytes::from(id))
                 }
                 .boxed()
-            })
-            .build()
-            .unwrap()
-            .run(),
+            }),
+        &recorder,
     );
     recorder.wait_settled(10, WAIT).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    running.stop().await;
 
     assert_eq!(
         recorder.settled_on(0).into_iter().collect::<Vec<_>>(),

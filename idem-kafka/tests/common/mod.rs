@@ -346,16 +346,6 @@ impl Effects {
     }
 }
 
-/// A shutdown signal and its trigger.
-pub fn shutdown() -> (
-    tokio_util::sync::CancellationToken,
-    impl std::future::Future<Output = ()> + Send + 'static,
-) {
-    let token = tokio_util::sync::CancellationToken::new();
-    let wait = token.clone();
-    (token, async move { wait.cancelled().await })
-}
-
 static SNAPSHOTTER: std::sync::OnceLock<metrics_util::debugging::Snapshotter> =
     std::sync::OnceLock::new();
 
@@ -449,4 +439,61 @@ pub async fn drop_schema(backend: &idem_postgres::PgBackend) {
     let _ = sqlx::query(sqlx::AssertSqlSafe(q))
         .execute(backend.pool())
         .await;
+}
+
+/// A consumer of `topic` in `group` with the loop tests' settings: commits every 50 ms,
+/// retries after 10 ms to 100 ms.
+pub fn builder(brokers: &str, topic: &str, group: &str) -> idem_kafka::ConsumerBuilder {
+    idem_kafka::IdemConsumer::builder(consumer_config(brokers))
+        .topics([topic])
+        .group(group)
+        .commit_interval(Duration::from_millis(50))
+        .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
+}
+
+/// A consumer running on a task of its own.
+pub struct Running {
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<idem_kafka::Result<()>>,
+}
+
+/// Builds `builder` with `recorder` as its probe and a shutdown signal, and runs it.
+pub fn start(builder: idem_kafka::ConsumerBuilder, recorder: &Arc<Recorder>) -> Running {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let consumer = builder
+        .probe(recorder.clone())
+        .shutdown(stop.clone().cancelled_owned())
+        .build()
+        .expect("consumer");
+    Running {
+        stop,
+        task: tokio::spawn(consumer.run()),
+    }
+}
+
+impl Running {
+    /// Signals shutdown and checks the loop ended cleanly.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        self.task.await.expect("task").expect("clean stop");
+    }
+}
+
+impl Effects {
+    /// A handler that applies the message's key id (or `keyless`).
+    pub fn by_key(
+        self: &Arc<Self>,
+    ) -> impl Fn(
+        idem_kafka::Message,
+        Option<idem_core::Context>,
+    ) -> std::future::Ready<idem_kafka::HandlerResult>
+    + Send
+    + Sync
+    + 'static {
+        let effects = self.clone();
+        move |msg, _| {
+            let id = msg.key().map_or("keyless", |k| k.id());
+            std::future::ready(Ok(effects.apply(id)))
+        }
+    }
 }

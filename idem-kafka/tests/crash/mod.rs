@@ -179,6 +179,15 @@ pub fn is_poison(id: &str) -> bool {
     id.starts_with("poison-")
 }
 
+/// The payment id of a message, or the permanent failure of a poison payment.
+fn payment(msg: &idem_kafka::Message) -> Result<String, idem_core::HandlerError> {
+    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+    if is_poison(&id) {
+        return Err(idem_core::HandlerError::permanent("card declined"));
+    }
+    Ok(id)
+}
+
 /// Runs the scenario against `store` on the broker at `brokers`.
 pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
     let started = Instant::now();
@@ -520,10 +529,7 @@ impl Store for LeaseStore {
             .handler(move |msg, ctx| {
                 let ledger = ledger.clone();
                 async move {
-                    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
-                    if is_poison(&id) {
-                        return Err(idem_core::HandlerError::permanent("card declined"));
-                    }
+                    let id = payment(&msg)?;
                     let ctx = ctx.ok_or_else(|| idem_core::HandlerError::permanent("no lease"))?;
                     let applied = Applied {
                         token: ctx.token(),
@@ -573,10 +579,7 @@ impl Store for TransactionalStore {
             .transactional(self.backend.clone(), move |msg, tx, lease| {
                 let table = table.clone();
                 async move {
-                    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
-                    if is_poison(&id) {
-                        return Err(idem_core::HandlerError::permanent("card declined"));
-                    }
+                    let id = payment(&msg)?;
                     let q = format!(
                         "INSERT INTO {table} (payment, token, instance, kind) VALUES ($1, $2, $3, $4)"
                     );
