@@ -31,7 +31,10 @@ pub struct Event {
 
 /// What was sent.
 #[derive(Debug)]
-#[allow(dead_code, reason = "the counts feed the idem side of the demo, still to land (issue 7)")]
+#[allow(
+    dead_code,
+    reason = "the counts feed the idem side of the demo, still to land (issue 7)"
+)]
 pub struct Plan {
     /// Every message, in send order.
     pub events: Vec<Event>,
