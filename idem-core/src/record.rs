@@ -173,7 +173,8 @@ pub enum ClaimOutcome {
     InProgress {
         /// The holder.
         owner: String,
-        /// When its lease lapses unless extended.
+        /// When its lease lapses unless extended, as this backend judges it: a backend that
+        /// allows for clock skew reports the deadline plus its margin.
         lease_until: Timestamp,
     },
     /// The attempts are spent, or a handler failed permanently.
