@@ -194,7 +194,13 @@ pub struct DemoArgs {
     /// The idem side's backend URL.
     #[arg(long, short = 'b', value_name = "URL", default_value = "memory:")]
     pub backend: String,
-    /// Test hook: make the idem side charge outside idem, so the run must fail.
-    #[arg(long, hide = true, env = "IDEM_DEMO_FORCE_DOUBLE_CHARGE")]
+    /// Test hook: crash the idem side after a charge and before idem records it (the case
+    /// a lease cannot cover), so that it charges twice and the run must fail.
+    #[arg(
+        long,
+        hide = true,
+        env = "IDEM_DEMO_FORCE_DOUBLE_CHARGE",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     pub force_double_charge: bool,
 }

@@ -1,21 +1,48 @@
 //! `idem demo`: the canonical failure, played by a naive consumer and an idem consumer side
 //! by side on librdkafka's in-process MockCluster.
+//!
+//! A producer sends payment events, some twice, plus a few poison messages. Each side
+//! crashes `--crashes` times after charging and before committing its offsets, and is
+//! restarted; the restarted consumer gets the uncommitted messages again. The naive side
+//! commits every so many messages and charges those again. The idem side (idem-kafka over
+//! the backend of `--backend`) crashes after a charge is recorded and before its offset is
+//! committed, so the redelivered messages are answered from the store.
 
+mod idem_side;
 mod naive;
 mod plan;
+mod report;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::mocking::MockCluster;
+use idem_core::Key;
+use idem_kafka::rdkafka::mocking::MockCluster;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 use crate::cli::DemoArgs;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, StoreContext};
+use crate::target::{ConnectOptions, Target};
+use idem_side::CrashAt;
 use plan::{DLQ, Ledger, PARTITIONS, Plan, TOPIC};
+use report::{Counters, Report};
 
 /// Runs the demo and prints its report. Fails if the idem side charged a payment twice.
 pub async fn run(args: &DemoArgs) -> Result<()> {
     check(args)?;
     let started = Instant::now();
+    let target = Target::parse(&args.backend)?;
+    let backend = target.connect(&ConnectOptions::default()).await?.backend();
+    let namespace = format!("demo-{}-{}", std::process::id(), fastrand::u32(..));
+    // A store that cannot answer (no tables yet, say) would stall the idem side: ask first.
+    let probe =
+        Key::new(namespace.clone(), "preflight").map_err(|e| Error::Refused(e.to_string()))?;
+    backend
+        .get(&probe)
+        .await
+        .store(format!("the idem side's backend {target}"))?;
+    let counters = Counters::install()?;
+
     let cluster = MockCluster::new(1).map_err(|e| Error::Refused(format!("MockCluster: {e}")))?;
     for (topic, partitions) in [(TOPIC, PARTITIONS), (DLQ, 1)] {
         cluster
@@ -25,23 +52,75 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     let brokers = cluster.bootstrap_servers();
     let plan = Plan::new(args.messages, args.duplicates);
     let ends = plan.produce(&brokers).await?;
+
+    // Each crash falls three quarters of the way between two of the naive side's commits.
     let total = plan.events.len() as u64;
     let commit_every = (total / (4 * u64::from(args.crashes + 1))).clamp(5, 100);
-    // Each crash falls three quarters of the way between two commits.
     let share = total / u64::from(args.crashes + 1);
     let step = (share / commit_every).max(1) * commit_every + commit_every * 3 / 4;
     let crash_after: Vec<u64> = (0..args.crashes).map(|_| step).collect();
+    let at = if args.force_double_charge {
+        CrashAt::BeforeRecord
+    } else {
+        CrashAt::AfterRecord
+    };
 
+    let bars = MultiProgress::new();
+    let naive_bar = bars.add(bar("naive", total));
+    let idem_bar = bars.add(bar("idem ", total));
     let naive_ledger = Ledger::default();
-    let naive = naive::run(&brokers, &ends, &crash_after, commit_every, &naive_ledger).await?;
-    let (charged, charges, twice) = naive_ledger.totals();
-    println!(
-        "naive: delivered {} skipped {} crashes {} charged {charged} charges {charges} twice {twice}",
-        naive.delivered, naive.skipped, naive.crashes
+    let idem_ledger = Arc::new(Ledger::default());
+    let (naive, idem) = tokio::join!(
+        naive::run(
+            &brokers,
+            &ends,
+            &crash_after,
+            commit_every,
+            &naive_ledger,
+            &naive_bar,
+        ),
+        idem_side::run(
+            &brokers,
+            &ends,
+            &crash_after,
+            commit_every as usize,
+            at,
+            backend,
+            &namespace,
+            &idem_ledger,
+            &idem_bar,
+        ),
     );
-    println!("finished in {:.1} s", started.elapsed().as_secs_f64());
-    let _ = Duration::ZERO;
-    Ok(())
+    naive_bar.finish_and_clear();
+    idem_bar.finish_and_clear();
+    let report = Report {
+        plan: &plan,
+        backend: target.to_string(),
+        commit_every,
+        at,
+        naive: naive?,
+        naive_ledger: naive_ledger.totals(),
+        idem: idem?,
+        idem_ledger: idem_ledger.totals(),
+        counters: counters.totals(),
+        elapsed: started.elapsed(),
+    };
+    print!("{report}");
+    drop(cluster);
+    match report.idem_ledger.2 {
+        0 => Ok(()),
+        n => Err(Error::DoubleCharge(u64::from(n))),
+    }
+}
+
+fn bar(name: &str, total: u64) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    let template = format!("{name} {{bar:30}} {{pos}} deliveries ({{len}} messages) {{msg}}");
+    if let Ok(style) = ProgressStyle::with_template(&template) {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
 }
 
 fn check(args: &DemoArgs) -> Result<()> {

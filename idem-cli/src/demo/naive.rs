@@ -1,12 +1,14 @@
 //! The naive consumer: charge, and commit every so many messages, as a plain at-least-once
 //! consumer does. A crash between a charge and the next commit charges again on restart.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::Message;
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use idem_kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use idem_kafka::rdkafka::message::Message;
+use idem_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+use indicatif::ProgressBar;
 
 use super::plan::{Ledger, PARTITIONS, TOPIC, parse};
 use crate::error::{Error, Result};
@@ -19,8 +21,8 @@ pub const STALL: Duration = Duration::from_secs(30);
 pub struct NaiveRun {
     /// Messages received, over every instance.
     pub delivered: u64,
-    /// Poison messages logged and skipped.
-    pub skipped: u64,
+    /// Poison messages logged and skipped (each counted once, however often delivered).
+    pub skipped: HashSet<(i32, i64)>,
     /// Instances that crashed.
     pub crashes: u32,
 }
@@ -46,6 +48,7 @@ pub async fn run(
     crash_after: &[u64],
     commit_every: u64,
     ledger: &Ledger,
+    bar: &ProgressBar,
 ) -> Result<NaiveRun> {
     let mut out = NaiveRun::default();
     for instance in 0..=crash_after.len() {
@@ -72,14 +75,17 @@ pub async fn run(
                 .map_err(|_| Error::Refused(format!("naive consumer: no message for {STALL:?}")))?
                 .map_err(|e| Error::Refused(format!("naive consumer: {e}")))?;
             out.delivered += 1;
+            bar.inc(1);
             handled += 1;
             next.insert(m.partition(), m.offset() + 1);
             match parse(m.payload().unwrap_or_default()) {
                 Ok((id, _cents)) => {
-                    ledger.charge(&id);
+                    ledger.charge(&id).await;
                     charged += 1;
                 }
-                Err(_) => out.skipped += 1,
+                Err(_) => {
+                    out.skipped.insert((m.partition(), m.offset()));
+                }
             }
             if limit.is_some_and(|l| charged >= l) {
                 // The process dies here: charged, not committed.
@@ -97,7 +103,7 @@ pub async fn run(
 }
 
 /// The group's committed offsets (next offset to read) per partition.
-fn committed(consumer: &StreamConsumer) -> Result<HashMap<i32, i64>> {
+pub fn committed(consumer: &impl Consumer) -> Result<HashMap<i32, i64>> {
     let mut tpl = TopicPartitionList::new();
     for p in 0..PARTITIONS {
         tpl.add_partition(TOPIC, p);
@@ -122,7 +128,10 @@ fn commit(consumer: &StreamConsumer) -> Result<()> {
     match consumer.commit_consumer_state(CommitMode::Sync) {
         Ok(()) => Ok(()),
         // Nothing new since the last commit.
-        Err(e) if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::NoOffset) => {
+        Err(e)
+            if e.rdkafka_error_code()
+                == Some(idem_kafka::rdkafka::types::RDKafkaErrorCode::NoOffset) =>
+        {
             Ok(())
         }
         Err(e) => Err(Error::Refused(format!("naive consumer: commit: {e}"))),

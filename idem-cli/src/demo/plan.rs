@@ -5,14 +5,14 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use rdkafka::ClientConfig;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 
 use crate::error::{Error, Result};
 
-/// The header idem-kafka reads the key from by default.
-pub const KEY_HEADER: &str = "idempotency-key";
+use idem_kafka::DEFAULT_KEY_HEADER as KEY_HEADER;
+
 /// The source topic.
 pub const TOPIC: &str = "payments";
 /// Where idem dead-letters (idem-kafka's default `<topic>.dlq`).
@@ -127,6 +127,10 @@ pub fn parse(payload: &[u8]) -> Result<(String, u64), String> {
     Ok((id.to_owned(), cents))
 }
 
+/// How long one charge takes at the card processor (a network call in real life); both
+/// consumers pay it.
+pub const CHARGE_TIME: Duration = Duration::from_millis(1);
+
 /// The card processor: how many times each payment was charged.
 #[derive(Debug, Default)]
 pub struct Ledger {
@@ -134,8 +138,9 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    /// Charges `id` once more.
-    pub fn charge(&self, id: &str) {
+    /// Charges `id` once more, taking [`CHARGE_TIME`].
+    pub async fn charge(&self, id: &str) {
+        tokio::time::sleep(CHARGE_TIME).await;
         let mut charges = self.charges.lock().unwrap_or_else(|e| e.into_inner());
         *charges.entry(id.to_owned()).or_default() += 1;
     }
@@ -178,11 +183,11 @@ mod tests {
         assert_eq!(parse(first.as_bytes()).unwrap().0, "pay-00007");
     }
 
-    #[test]
-    fn the_ledger_counts_double_charges() {
+    #[tokio::test]
+    async fn the_ledger_counts_double_charges() {
         let l = Ledger::default();
         for id in ["a", "b", "a", "c", "a"] {
-            l.charge(id);
+            l.charge(id).await;
         }
         assert_eq!(l.totals(), (3, 5, 1));
     }
