@@ -54,10 +54,6 @@ pub enum Error {
         source: std::io::Error,
     },
     /// The demo found a payment charged twice on the idem side.
-    #[allow(
-        dead_code,
-        reason = "raised by the idem side of the demo, still to land (issue 7)"
-    )]
     #[error("the idem consumer charged {0} payment(s) more than once")]
     DoubleCharge(u64),
 }

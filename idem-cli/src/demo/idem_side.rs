@@ -17,7 +17,7 @@ use indicatif::ProgressBar;
 use tokio::sync::{Notify, oneshot};
 
 use super::naive::{STALL, committed, config};
-use super::plan::{DLQ, Ledger, TOPIC, parse};
+use super::plan::{DLQ, Ledger, Stage, TOPIC, parse};
 use crate::error::{Error, Result, StoreContext};
 
 const GROUP: &str = "idem-payments";
@@ -54,7 +54,7 @@ struct DemoProbe {
     crashed: Notify,
     settled: AtomicU64,
     next: Mutex<HashMap<i32, i64>>,
-    ends: HashMap<i32, i64>,
+    stage: Arc<Stage>,
     done: Notify,
     bar: ProgressBar,
 }
@@ -69,7 +69,7 @@ impl Probe for DemoProbe {
             Point::AfterStore if !self.fired.load(Ordering::SeqCst) => {
                 let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
                 next.insert(partition, offset + 1);
-                if caught_up(&self.ends, &next) {
+                if self.stage.caught_up(&next) {
                     self.done.notify_one();
                 }
             }
@@ -89,21 +89,13 @@ impl Probe for DemoProbe {
     }
 }
 
-fn caught_up(ends: &HashMap<i32, i64>, next: &HashMap<i32, i64>) -> bool {
-    ends.iter()
-        .all(|(p, end)| next.get(p).copied().unwrap_or(0) >= *end)
-}
-
 /// Runs idem consumer instances one after another over `backend`: instance `i` crashes
-/// once it has charged `crash_after[i]` payments, at `at`; the last one runs until every
-/// partition's offset is stored (`ends`), then shuts down cleanly. Messages are claimed
-/// `batch` at a time, and offsets stored after each batch, as the naive side commits.
-#[allow(clippy::too_many_arguments)]
+/// once it has charged `stage.crash_after[i]` payments, at `at`; the last one runs until
+/// every partition's offset is stored, then shuts down cleanly. Messages are claimed
+/// `stage.commit_every` at a time and offsets stored after each batch, as the naive side
+/// commits.
 pub async fn run(
-    brokers: &str,
-    ends: &HashMap<i32, i64>,
-    crash_after: &[u64],
-    batch: usize,
+    stage: &Arc<Stage>,
     at: CrashAt,
     backend: Arc<dyn Backend>,
     namespace: &str,
@@ -115,22 +107,23 @@ pub async fn run(
         CrashAt::AfterRecord => Point::AfterSettle,
         CrashAt::BeforeRecord => Point::AfterEffect,
     };
-    for instance in 0..=crash_after.len() {
+    let brokers = stage.brokers.as_str();
+    for instance in 0..=stage.crash_after.len() {
         let charged = Arc::new(AtomicU64::new(0));
         let probe = Arc::new(DemoProbe {
-            crash: crash_after.get(instance).map(|&n| (point, n)),
+            crash: stage.crash_after.get(instance).map(|&n| (point, n)),
             charged: Arc::clone(&charged),
             fired: AtomicBool::new(false),
             crashed: Notify::new(),
             settled: AtomicU64::new(0),
             next: Mutex::new(committed_for(brokers)?),
-            ends: ends.clone(),
+            stage: Arc::clone(stage),
             done: Notify::new(),
             bar: bar.clone(),
         });
         let engine = Engine::builder(Arc::clone(&backend))
             .lease_ttl(Duration::from_secs(1))
-            .max_attempts(crash_after.len() as u32 + 5)
+            .max_attempts(stage.crash_after.len() as u32 + 5)
             .retention(Duration::from_secs(3600))
             .build()
             .store("demo engine")?;
@@ -141,7 +134,7 @@ pub async fn run(
             .namespace(namespace)
             .engine(engine)
             .partition_concurrency(1)
-            .batch_size(batch)
+            .batch_size(usize::try_from(stage.commit_every).unwrap_or(100))
             .commit_interval(Duration::from_millis(10))
             .probe(Arc::clone(&probe) as Arc<dyn Probe>)
             .shutdown(async move {
@@ -162,16 +155,21 @@ pub async fn run(
             .build()
             .map_err(|e| Error::Refused(format!("idem consumer: {e}")))?;
         let mut run = Box::pin(consumer.run());
-        if caught_up(ends, &probe.next.lock().unwrap_or_else(|e| e.into_inner())) {
+        if stage.caught_up(&probe.next.lock().unwrap_or_else(|e| e.into_inner())) {
             probe.done.notify_one();
         }
+        // A crashed loop also ends its run future by itself: the crash signal goes first.
         let crashed = tokio::select! {
-            res = &mut run => {
-                res.map_err(|e| Error::Refused(format!("idem consumer: {e}")))?;
-                return Err(Error::Refused("idem consumer: stopped before the end".into()));
-            }
+            biased;
             () = probe.crashed.notified() => true,
             () = probe.done.notified() => false,
+            res = &mut run => {
+                res.map_err(|e| Error::Refused(format!("idem consumer: {e}")))?;
+                if !probe.fired.load(Ordering::SeqCst) {
+                    return Err(Error::Refused("idem consumer: stopped before the end".into()));
+                }
+                true
+            }
             () = tokio::time::sleep(STALL * 2) => {
                 return Err(Error::Refused(format!("idem consumer: not done after {:?}", STALL * 2)));
             }

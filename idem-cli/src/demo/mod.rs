@@ -24,7 +24,7 @@ use crate::cli::DemoArgs;
 use crate::error::{Error, Result, StoreContext};
 use crate::target::{ConnectOptions, Target};
 use idem_side::CrashAt;
-use plan::{DLQ, Ledger, PARTITIONS, Plan, TOPIC};
+use plan::{DLQ, Ledger, PARTITIONS, Plan, Stage, TOPIC};
 use report::{Counters, Report};
 
 /// Runs the demo and prints its report. Fails if the idem side charged a payment twice.
@@ -58,7 +58,12 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     let commit_every = (total / (4 * u64::from(args.crashes + 1))).clamp(5, 100);
     let share = total / u64::from(args.crashes + 1);
     let step = (share / commit_every).max(1) * commit_every + commit_every * 3 / 4;
-    let crash_after: Vec<u64> = (0..args.crashes).map(|_| step).collect();
+    let stage = Arc::new(Stage {
+        brokers,
+        ends,
+        crash_after: (0..args.crashes).map(|_| step).collect(),
+        commit_every,
+    });
     let at = if args.force_double_charge {
         CrashAt::BeforeRecord
     } else {
@@ -71,25 +76,8 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     let naive_ledger = Ledger::default();
     let idem_ledger = Arc::new(Ledger::default());
     let (naive, idem) = tokio::join!(
-        naive::run(
-            &brokers,
-            &ends,
-            &crash_after,
-            commit_every,
-            &naive_ledger,
-            &naive_bar,
-        ),
-        idem_side::run(
-            &brokers,
-            &ends,
-            &crash_after,
-            commit_every as usize,
-            at,
-            backend,
-            &namespace,
-            &idem_ledger,
-            &idem_bar,
-        ),
+        naive::run(&stage, &naive_ledger, &naive_bar),
+        idem_side::run(&stage, at, backend, &namespace, &idem_ledger, &idem_bar,),
     );
     naive_bar.finish_and_clear();
     idem_bar.finish_and_clear();

@@ -10,7 +10,7 @@ use idem_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use indicatif::ProgressBar;
 
-use super::plan::{Ledger, PARTITIONS, TOPIC, parse};
+use super::plan::{Ledger, PARTITIONS, Stage, TOPIC, parse};
 use crate::error::{Error, Result};
 
 /// How long a consumer may wait for its next message before the demo gives up.
@@ -40,19 +40,12 @@ pub fn config(brokers: &str, group: &str) -> ClientConfig {
 }
 
 /// Runs instances one after another: instance `i` crashes once it has charged
-/// `crash_after[i]` payments (before its next commit); the last one runs to the end of
-/// every partition (`ends`) and commits.
-pub async fn run(
-    brokers: &str,
-    ends: &HashMap<i32, i64>,
-    crash_after: &[u64],
-    commit_every: u64,
-    ledger: &Ledger,
-    bar: &ProgressBar,
-) -> Result<NaiveRun> {
+/// `stage.crash_after[i]` payments (before its next commit); the last one runs to the end
+/// of every partition and commits.
+pub async fn run(stage: &Stage, ledger: &Ledger, bar: &ProgressBar) -> Result<NaiveRun> {
     let mut out = NaiveRun::default();
-    for instance in 0..=crash_after.len() {
-        let consumer: StreamConsumer = config(brokers, "naive-payments")
+    for instance in 0..=stage.crash_after.len() {
+        let consumer: StreamConsumer = config(&stage.brokers, "naive-payments")
             .set("enable.auto.commit", "false")
             .create()
             .map_err(|e| Error::Refused(format!("naive consumer: {e}")))?;
@@ -60,13 +53,10 @@ pub async fn run(
         consumer
             .subscribe(&[TOPIC])
             .map_err(|e| Error::Refused(format!("naive consumer: {e}")))?;
-        let limit = crash_after.get(instance).copied();
+        let limit = stage.crash_after.get(instance).copied();
         let (mut charged, mut handled) = (0u64, 0u64);
         loop {
-            if ends
-                .iter()
-                .all(|(p, end)| next.get(p).copied().unwrap_or(0) >= *end)
-            {
+            if stage.caught_up(&next) {
                 commit(&consumer)?;
                 return Ok(out);
             }
@@ -92,7 +82,7 @@ pub async fn run(
                 out.crashes += 1;
                 break;
             }
-            if handled % commit_every == 0 {
+            if handled % stage.commit_every == 0 {
                 commit(&consumer)?;
             }
         }

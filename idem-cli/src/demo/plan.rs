@@ -31,10 +31,6 @@ pub struct Event {
 
 /// What was sent.
 #[derive(Debug)]
-#[allow(
-    dead_code,
-    reason = "the counts feed the idem side of the demo, still to land (issue 7)"
-)]
 pub struct Plan {
     /// Every message, in send order.
     pub events: Vec<Event>,
@@ -115,6 +111,29 @@ impl Plan {
             *end = (*end).max(delivery.offset + 1);
         }
         Ok(ends)
+    }
+}
+
+/// Where both consumers run and when they crash.
+#[derive(Debug)]
+pub struct Stage {
+    /// The broker list.
+    pub brokers: String,
+    /// Each partition's end offset, once everything is produced.
+    pub ends: HashMap<i32, i64>,
+    /// Instance `i` crashes once it has charged `crash_after[i]` payments; the instance
+    /// after the last crash runs to the end.
+    pub crash_after: Vec<u64>,
+    /// Messages per commit (naive) and per claimed batch (idem).
+    pub commit_every: u64,
+}
+
+impl Stage {
+    /// Whether `next` (next offset to read, per partition) is past every partition's end.
+    pub fn caught_up(&self, next: &HashMap<i32, i64>) -> bool {
+        self.ends
+            .iter()
+            .all(|(p, end)| next.get(p).copied().unwrap_or(0) >= *end)
     }
 }
 
