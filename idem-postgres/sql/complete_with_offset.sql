@@ -5,7 +5,7 @@
 WITH done AS (
     UPDATE {schema}.idem_records
     SET state = 'completed', response = $5, lease_until = NULL, error = NULL,
-        expires_at = now() + $6 * interval '1 millisecond', updated_at = now()
+        expires_at = {settled_expiry_6}, updated_at = now()
     WHERE namespace = $1 AND id = $2 AND {holds}
     RETURNING 1
 ),

@@ -13,6 +13,19 @@ const LIVE: &str = "(expires_at IS NULL OR expires_at > now())";
 const HOLDS: &str = "state = 'processing' AND token = $3 AND owner = $4 \
     AND (expires_at IS NULL OR expires_at > now())";
 
+/// The expiry of a record that `complete` or `fail` settles, with retention parameter
+/// `$n`: `now() + retention`, unless the claim already set `lease_until + retention` and the
+/// lease is still live, in which case that later expiry is kept unchanged. Keeping it means
+/// the update touches no indexed column, so PostgreSQL can make it a HOT update (no index
+/// writes); the record then lives up to one lease longer than `retention` after settling.
+fn settled_expiry(n: u8) -> String {
+    let retention = format!("${n} * interval '1 millisecond'");
+    format!(
+        "CASE WHEN lease_until >= now() AND expires_at = lease_until + {retention} \
+         THEN expires_at ELSE now() + {retention} END"
+    )
+}
+
 /// Whether record `r` is past its retention.
 fn expired(r: &str) -> String {
     format!("({r}.expires_at IS NOT NULL AND {r}.expires_at <= now())")
@@ -59,6 +72,8 @@ impl Stmt {
             .replace("{columns}", COLUMNS)
             .replace("{live}", LIVE)
             .replace("{holds}", HOLDS)
+            .replace("{settled_expiry_6}", &settled_expiry(6))
+            .replace("{settled_expiry_7}", &settled_expiry(7))
             .replace("{schema}", schema);
         Stmt(text.into())
     }
