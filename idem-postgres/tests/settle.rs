@@ -65,11 +65,7 @@ async fn completing_within_the_lease_is_a_hot_update_that_keeps_the_claims_expir
             .complete(&lease, Bytes::from_static(b"done"), RETENTION)
             .await
             .expect("complete");
-        let record = backend
-            .get(&lease.key)
-            .await
-            .expect("get")
-            .expect("record");
+        let record = backend.get(&lease.key).await.expect("get").expect("record");
         assert_eq!(
             record.expires_at,
             Some(lease.lease_until.saturating_add(RETENTION)),
@@ -89,11 +85,7 @@ async fn a_complete_with_another_retention_counts_it_from_now() {
         .complete(&lease, Bytes::from_static(b"done"), short)
         .await
         .expect("complete");
-    let record = backend
-        .get(&lease.key)
-        .await
-        .expect("get")
-        .expect("record");
+    let record = backend.get(&lease.key).await.expect("get").expect("record");
     let expires = record.expires_at.expect("expiry");
     let lease_until = lease.lease_until;
     // now() + 60 s, which is well before the claim's lease_until + 1 h.

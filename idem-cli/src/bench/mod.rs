@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::future::try_join_all;
+use futures::{StreamExt, TryStreamExt};
 use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -164,30 +164,41 @@ async fn prepare_replay(subject: &Subject, keys: &Keys) -> Result<Arc<Vec<Claim>
     Ok(Arc::new(claims))
 }
 
-/// Claims fresh keys (one call) and completes each, concurrently.
+/// How many completes of one batch run at once: as many as DynamoDB's `claim_many` keeps
+/// in flight, so that a batch of 128 on 64 workers does not send 8,192 writes at once.
+const COMPLETES_IN_FLIGHT: usize = 16;
+
+/// Claims fresh keys (one call) and completes each, [`COMPLETES_IN_FLIGHT`] at a time.
 async fn claim_and_complete(backend: &Arc<dyn Backend>, claims: &[Claim]) -> Result<()> {
     let answers = match claims {
         [one] => vec![backend.claim(one).await.store("claim")?],
         many => backend.claim_many(many).await.store("claim_many")?,
     };
     let body = Bytes::from_static(RESPONSE);
-    try_join_all(answers.into_iter().zip(claims).map(|(answer, claim)| {
-        let body = body.clone();
-        async move {
-            let ClaimOutcome::Acquired(lease) = answer else {
-                return Err(Error::Refused(format!(
-                    "bench: fresh key {} answered {answer:?}, not Acquired",
-                    claim.key
-                )));
-            };
-            backend
-                .complete(&lease, body, RETENTION)
-                .await
-                .store("complete")
-        }
-    }))
-    .await
-    .map(drop)
+    let completes: Vec<_> = answers
+        .into_iter()
+        .zip(claims)
+        .map(|(answer, claim)| {
+            let body = body.clone();
+            async move {
+                let ClaimOutcome::Acquired(lease) = answer else {
+                    return Err(Error::Refused(format!(
+                        "bench: fresh key {} answered {answer:?}, not Acquired",
+                        claim.key
+                    )));
+                };
+                backend
+                    .complete(&lease, body, RETENTION)
+                    .await
+                    .store("complete")
+            }
+        })
+        .collect();
+    futures::stream::iter(completes)
+        .buffer_unordered(COMPLETES_IN_FLIGHT)
+        .try_collect::<Vec<()>>()
+        .await
+        .map(drop)
 }
 
 async fn raw_workload(

@@ -277,6 +277,7 @@ async fn dynamo(config: idem_dynamo::DynamoConfig, shown: String) -> Result<Subj
         .await
         .store(format!("create the bench table {table}"))?;
     let client = backend.client().clone();
+    let parallelism = backend.config().claim_parallelism();
     Ok(Subject {
         kind: "dynamodb",
         shown,
@@ -284,18 +285,20 @@ async fn dynamo(config: idem_dynamo::DynamoConfig, shown: String) -> Result<Subj
         raw: Arc::new(PutIfAbsent {
             client: client.clone(),
             table: table.clone(),
+            parallelism,
         }),
         cleanup: Some(Cleanup::DeleteTable(client, table)),
     })
 }
 
 /// A conditional `PutItem` (`attribute_not_exists(pk)`) per key, through the backend's
-/// own SDK client; a batch runs its puts concurrently (DynamoDB has no conditional batch
-/// write outside transactions).
+/// own SDK client; a batch runs its puts concurrently, at most as many at once as the
+/// backend's `claim_many` (DynamoDB has no conditional batch write outside transactions).
 #[cfg(feature = "dynamo")]
 struct PutIfAbsent {
     client: aws_sdk_dynamodb::Client,
     table: String,
+    parallelism: usize,
 }
 
 #[cfg(feature = "dynamo")]
@@ -306,26 +309,46 @@ impl Raw for PutIfAbsent {
     }
 
     async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
+        use aws_sdk_dynamodb::error::SdkError;
+        use aws_sdk_dynamodb::operation::put_item::PutItemError;
         use aws_sdk_dynamodb::primitives::Blob;
         use aws_sdk_dynamodb::types::AttributeValue;
+        use futures::StreamExt;
 
         let expires = idem_core::Timestamp::now()
             .saturating_add(RETENTION)
             .as_millis()
             / 1000;
-        let puts = keys.iter().map(|k| {
-            self.client
-                .put_item()
-                .table_name(&self.table)
-                .item("pk", AttributeValue::S(format!("raw/{k}")))
-                .item("v", AttributeValue::B(Blob::new(value.to_vec())))
-                .item("expires_at", AttributeValue::N(expires.to_string()))
-                .condition_expression("attribute_not_exists(pk)")
-                .send()
-        });
-        futures::future::try_join_all(puts)
+        let puts: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                self.client
+                    .put_item()
+                    .table_name(&self.table)
+                    .item("pk", AttributeValue::S(format!("raw/{k}")))
+                    .item("v", AttributeValue::B(Blob::new(value.to_vec())))
+                    .item("expires_at", AttributeValue::N(expires.to_string()))
+                    .condition_expression("attribute_not_exists(pk)")
+                    .send()
+            })
+            .collect();
+        let refused_as_present = |r: std::result::Result<_, SdkError<PutItemError, _>>| match r {
+            // Like `ON CONFLICT DO NOTHING` and `SET NX`, a key already there is not an
+            // error. It happens when the SDK retries a put that had in fact succeeded.
+            Err(e)
+                if e.as_service_error()
+                    .is_some_and(PutItemError::is_conditional_check_failed_exception) =>
+            {
+                Ok(())
+            }
+            r => r.map(drop),
+        };
+        futures::stream::iter(puts)
+            .buffer_unordered(self.parallelism)
+            .collect::<Vec<_>>()
             .await
-            .map(drop)
+            .into_iter()
+            .try_for_each(refused_as_present)
             .map_err(|e| idem_core::Error::unavailable("conditional PutItem", e))
             .store("raw baseline")
     }
