@@ -38,7 +38,13 @@ impl PgBackend {
         let what = format!("connect to {}", config.redacted_url());
         let options = PgConnectOptions::from_str(&config.url)
             .map_err(|e| map(&what, e))?
-            .application_name(&config.application_name);
+            .application_name(&config.application_name)
+            // Every statement of ours finds rows by an index. A prepared statement's cached
+            // generic plan is made while the table is small, when a sequential scan looks
+            // cheaper, and is kept until the table is next analyzed: with autovacuum slow
+            // or off, every claim would then scan the whole table. Transactional mode
+            // restores the server's setting for the handler's own statements.
+            .options([("enable_seqscan", "off")]);
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(config.connect_timeout)
@@ -52,6 +58,11 @@ impl PgBackend {
     }
 
     /// Uses an existing pool; `config` gives the schema and limits (its URL is not used).
+    ///
+    /// [`PgBackend::connect`] sets `enable_seqscan=off` on its connections so that cached
+    /// statement plans made while the table was small keep using the primary key; give
+    /// this pool's connections the same option (`PgConnectOptions::options`), or make
+    /// sure autovacuum analyzes the table, or claims slow down as the table grows.
     pub fn from_pool(pool: PgPool, config: PgConfig) -> Result<Self> {
         let schema = config.quoted_schema()?;
         Ok(PgBackend {

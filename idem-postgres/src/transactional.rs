@@ -97,7 +97,12 @@ impl PgBackend {
             }
             ClaimOutcome::Mismatch => return Ok(Outcome::Mismatch),
         };
-        let mut tx = self.timed("begin", self.pool.begin()).await?;
+        // One message: the handler's statements plan with the server's own setting, not
+        // the one idem's connections use (see `PgBackend::connect`).
+        let begin = self
+            .pool
+            .begin_with("BEGIN; SET LOCAL enable_seqscan TO DEFAULT");
+        let mut tx = self.timed("begin", begin).await?;
         let ran = AssertUnwindSafe(handler(&mut tx, lease.clone()))
             .catch_unwind()
             .await;

@@ -1,0 +1,172 @@
+//! How records are written and found.
+//!
+//! - Within its lease, `complete` keeps the expiry the claim set (`lease_until +
+//!   retention`), so the update changes no indexed column and PostgreSQL makes it a HOT
+//!   update: no index writes. Outside those conditions it falls back to `now() + retention`.
+//! - Claims find rows by index even when their cached plan was made while the table was
+//!   tiny, and transactional handlers still plan with the server's own settings.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{Backend, Claim, ClaimOutcome, Key, Lease};
+use idem_postgres::{PgBackend, PgConfig};
+use sqlx::AssertSqlSafe;
+
+const RETENTION: Duration = Duration::from_secs(600);
+
+fn claim(id: &str, retention: Duration) -> Claim {
+    Claim {
+        key: Key::new("ns", id).expect("key"),
+        owner: "worker".into(),
+        lease_ttl: Duration::from_secs(30),
+        fingerprint: None,
+        max_attempts: 3,
+        retention,
+    }
+}
+
+async fn acquire(backend: &PgBackend, claim: &Claim) -> Lease {
+    match backend.claim(claim).await.expect("claim") {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("a fresh key must be acquired, got {other:?}"),
+    }
+}
+
+/// A statistics counter of the schema's record table (`n_tup_hot_upd`, `seq_scan`), so far.
+async fn table_stat(backend: &PgBackend, schema: &str, column: &str) -> i64 {
+    // One connection: the statistics this backend process has pending are flushed once it
+    // goes idle after this call, and read by the next statement.
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(backend.pool())
+        .await
+        .expect("flush statistics");
+    let sql = format!(
+        "SELECT {column} FROM pg_stat_user_tables \
+         WHERE schemaname = $1 AND relname = 'idem_records'"
+    );
+    sqlx::query_scalar(AssertSqlSafe(sql))
+        .bind(schema)
+        .fetch_one(backend.pool())
+        .await
+        .expect("read statistics")
+}
+
+/// A migrated backend in a fresh schema, over one connection (so that its statistics
+/// can be flushed, and its cached plans are the ones every call uses).
+async fn single_connection() -> (PgBackend, String) {
+    let schema = common::fresh_schema();
+    let config = PgConfig::new(common::url())
+        .schema(schema.clone())
+        .max_connections(1);
+    let backend = PgBackend::connect(config).await.expect("connect");
+    backend.migrate().await.expect("migrate");
+    (backend, schema)
+}
+
+#[tokio::test]
+async fn completing_within_the_lease_is_a_hot_update_that_keeps_the_claims_expiry() {
+    let (backend, schema) = single_connection().await;
+    let before = table_stat(&backend, &schema, "n_tup_hot_upd").await;
+    for i in 0..10 {
+        let lease = acquire(&backend, &claim(&format!("k{i}"), RETENTION)).await;
+        backend
+            .complete(&lease, Bytes::from_static(b"done"), RETENTION)
+            .await
+            .expect("complete");
+        let record = backend.get(&lease.key).await.expect("get").expect("record");
+        assert_eq!(
+            record.expires_at,
+            Some(lease.lease_until.saturating_add(RETENTION)),
+            "the claim's expiry is kept"
+        );
+    }
+    let after = table_stat(&backend, &schema, "n_tup_hot_upd").await;
+    assert_eq!(after - before, 10, "every complete is a HOT update");
+}
+
+#[tokio::test]
+async fn a_complete_with_another_retention_counts_it_from_now() {
+    let backend = common::backend().await;
+    let lease = acquire(&backend, &claim("k", Duration::from_secs(3600))).await;
+    let short = Duration::from_secs(60);
+    backend
+        .complete(&lease, Bytes::from_static(b"done"), short)
+        .await
+        .expect("complete");
+    let record = backend.get(&lease.key).await.expect("get").expect("record");
+    let expires = record.expires_at.expect("expiry");
+    let lease_until = lease.lease_until;
+    // now() + 60 s, which is well before the claim's lease_until + 1 h.
+    assert!(
+        expires < lease_until.saturating_add(Duration::from_secs(120)),
+        "expires {expires:?}, lease until {lease_until:?}"
+    );
+    assert!(
+        expires.saturating_add(Duration::from_secs(31)) >= lease_until.saturating_add(short),
+        "expires {expires:?}, lease until {lease_until:?}"
+    );
+}
+
+#[tokio::test]
+async fn claims_find_rows_by_index_after_the_table_grows_under_a_cached_plan() {
+    let (backend, schema) = single_connection().await;
+    // Enough claims on a tiny table for the server to settle on a cached generic plan.
+    for i in 0..10 {
+        acquire(&backend, &claim(&format!("warm{i}"), RETENTION)).await;
+    }
+    // Grow the table behind that plan's back: nothing analyzes it in between.
+    let grow = format!(
+        "INSERT INTO {schema}.idem_records \
+         (namespace, id, state, owner, token, attempts, max_attempts, claim_kind) \
+         SELECT 'bulk', 'b' || g, 'failed', 'w', 1, 1, 3, 'first' \
+         FROM generate_series(1, 20000) g"
+    );
+    sqlx::query(AssertSqlSafe(grow))
+        .execute(backend.pool())
+        .await
+        .expect("grow the table");
+    let before = table_stat(&backend, &schema, "seq_scan").await;
+    for i in 0..10 {
+        acquire(&backend, &claim(&format!("late{i}"), RETENTION)).await;
+    }
+    let after = table_stat(&backend, &schema, "seq_scan").await;
+    assert_eq!(after - before, 0, "claims scanned the whole table");
+}
+
+#[tokio::test]
+async fn a_transactional_handler_plans_with_the_servers_own_settings() {
+    let backend = common::backend().await;
+    let ours: String = sqlx::query_scalar("SHOW enable_seqscan")
+        .fetch_one(backend.pool())
+        .await
+        .expect("show");
+    assert_eq!(
+        ours, "off",
+        "idem's own statements plan without sequential scans"
+    );
+    let server: String =
+        sqlx::query_scalar("SELECT reset_val FROM pg_settings WHERE name = 'enable_seqscan'")
+            .fetch_one(backend.pool())
+            .await
+            .expect("reset value");
+    let c = claim("k", RETENTION);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let inside = seen.clone();
+    backend
+        .execute_in_transaction(&c, RETENTION, None, move |tx, _lease| {
+            Box::pin(async move {
+                let v: String = sqlx::query_scalar("SHOW enable_seqscan")
+                    .fetch_one(&mut **tx)
+                    .await
+                    .map_err(idem_core::HandlerError::retry)?;
+                *inside.lock().expect("lock") = v;
+                Ok(Bytes::from_static(b"ok"))
+            })
+        })
+        .await
+        .expect("transaction");
+    assert_eq!(*seen.lock().expect("lock"), server);
+}
