@@ -363,25 +363,32 @@ impl Engine {
         let work = AssertUnwindSafe(handler(Context::new(lease.clone(), signal.clone())));
         let work = work.catch_unwind();
         tokio::pin!(work);
-        let start = tokio::time::Instant::now() + i.heartbeat;
-        let mut ticks = tokio::time::interval_at(start, i.heartbeat);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut extending: Fuse<BoxFuture<'_, Result<Timestamp>>> = Fuse::terminated();
-        let result = loop {
-            tokio::select! {
-                biased;
-                done = &mut work => break done,
-                res = &mut extending, if !extending.is_terminated() => match res {
-                    Ok(_) => {}
-                    Err(e) if e.is_fenced() => signal.cancel(),
-                    Err(e) => tracing::warn!(key = %lease.key, error = %e, "lease extend failed"),
-                },
-                _ = ticks.tick(), if extending.is_terminated() && !signal.is_cancelled() => {
-                    extending = i.backend.extend(&lease, i.lease_ttl).fuse();
+        // A handler that finishes at its first poll needs no heartbeat timer.
+        let result = match futures::poll!(&mut work) {
+            std::task::Poll::Ready(done) => done,
+            std::task::Poll::Pending => {
+                let start = tokio::time::Instant::now() + i.heartbeat;
+                let mut ticks = tokio::time::interval_at(start, i.heartbeat);
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut extending: Fuse<BoxFuture<'_, Result<Timestamp>>> = Fuse::terminated();
+                loop {
+                    tokio::select! {
+                        biased;
+                        done = &mut work => break done,
+                        res = &mut extending, if !extending.is_terminated() => match res {
+                            Ok(_) => {}
+                            Err(e) if e.is_fenced() => signal.cancel(),
+                            Err(e) => {
+                                tracing::warn!(key = %lease.key, error = %e, "lease extend failed")
+                            }
+                        },
+                        _ = ticks.tick(), if extending.is_terminated() && !signal.is_cancelled() => {
+                            extending = i.backend.extend(&lease, i.lease_ttl).fuse();
+                        }
+                    }
                 }
             }
         };
-        drop(extending);
         if signal.is_cancelled() {
             return Ok(Outcome::Fenced);
         }

@@ -1,6 +1,7 @@
 //! Idempotency keys and payload fingerprints.
 
 use std::fmt;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -17,26 +18,34 @@ pub const MAX_NAMESPACE_BYTES: usize = 128;
 /// [`MAX_ID_BYTES`] bytes and the namespace at most [`MAX_NAMESPACE_BYTES`]. Anything else
 /// is refused with [`Error::InvalidKey`] naming the reason. Use [`Key::hashed`] for
 /// business ids that may be long.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Key {
-    namespace: String,
-    id: String,
+    /// The namespace followed by the id, in one shared allocation: a clone (claims, leases
+    /// and records each hold one) copies no bytes.
+    text: Arc<str>,
+    /// Where the id starts in `text`.
+    split: usize,
 }
 
 impl Key {
     /// Builds a key, validating both parts.
-    pub fn new(namespace: impl Into<String>, id: impl Into<String>) -> Result<Self, Error> {
-        let namespace = namespace.into();
-        let id = id.into();
-        check("namespace", &namespace, MAX_NAMESPACE_BYTES)?;
-        check("id", &id, MAX_ID_BYTES)?;
-        Ok(Key { namespace, id })
+    pub fn new(namespace: impl AsRef<str>, id: impl AsRef<str>) -> Result<Self, Error> {
+        let (namespace, id) = (namespace.as_ref(), id.as_ref());
+        check("namespace", namespace, MAX_NAMESPACE_BYTES)?;
+        check("id", id, MAX_ID_BYTES)?;
+        let mut text = String::with_capacity(namespace.len() + id.len());
+        text.push_str(namespace);
+        text.push_str(id);
+        Ok(Key {
+            text: text.into(),
+            split: namespace.len(),
+        })
     }
 
     /// Builds a key from raw bytes, as they arrive in a Kafka header or message key.
     ///
     /// Bytes that are not UTF-8 are refused with [`Error::InvalidKey`].
-    pub fn from_bytes(namespace: impl Into<String>, id: &[u8]) -> Result<Self, Error> {
+    pub fn from_bytes(namespace: impl AsRef<str>, id: &[u8]) -> Result<Self, Error> {
         let id = std::str::from_utf8(id).map_err(|e| {
             Error::invalid_key(format!(
                 "id is not valid UTF-8 (at byte {})",
@@ -48,7 +57,7 @@ impl Key {
 
     /// Builds a key whose id is the SHA-256 hex of `id`, so any business id, however long
     /// or binary, becomes a 64-character id. An empty `id` is still refused.
-    pub fn hashed(namespace: impl Into<String>, id: impl AsRef<[u8]>) -> Result<Self, Error> {
+    pub fn hashed(namespace: impl AsRef<str>, id: impl AsRef<[u8]>) -> Result<Self, Error> {
         let id = id.as_ref();
         if id.is_empty() {
             return Err(Error::invalid_key("id is empty"));
@@ -58,12 +67,25 @@ impl Key {
 
     /// The namespace part.
     pub fn namespace(&self) -> &str {
-        &self.namespace
+        &self.text[..self.split]
     }
 
     /// The id part.
     pub fn id(&self) -> &str {
-        &self.id
+        &self.text[self.split..]
+    }
+}
+
+/// Keys order by namespace, then id.
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.namespace(), self.id()).cmp(&(other.namespace(), other.id()))
+    }
+}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
     }
 }
 
@@ -85,7 +107,7 @@ fn check(part: &str, value: &str, max: usize) -> Result<(), Error> {
 
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.id)
+        write!(f, "{}/{}", self.namespace(), self.id())
     }
 }
 
@@ -149,12 +171,25 @@ mod tests {
     }
 
     #[test]
+    fn parts_compare_and_order_as_a_pair() {
+        let k = |ns: &str, id: &str| Key::new(ns, id).unwrap();
+        assert_ne!(k("ab", "c"), k("a", "bc"));
+        assert!(k("a", "z") < k("ab", "a"));
+        assert_eq!(k("ns", "id").to_string(), "ns/id");
+        assert_eq!(
+            (k("ns", "id").namespace(), k("ns", "id").id()),
+            ("ns", "id")
+        );
+    }
+
+    #[test]
     fn hashed_keeps_long_ids_short_and_stable() {
         let long = vec![7u8; 10_000];
         let a = Key::hashed("ns", &long).unwrap();
         assert_eq!(a.id().len(), 64);
         assert_eq!(a, Key::hashed("ns", &long).unwrap());
         assert_ne!(a, Key::hashed("ns", b"other").unwrap());
+        assert_eq!(a.namespace(), "ns");
         assert!(Key::hashed("ns", b"").is_err());
     }
 

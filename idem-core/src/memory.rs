@@ -83,20 +83,47 @@ impl MemoryBackend {
         lock(&self.shards[i])
     }
 
-    /// Applies a fencing transition; `Fenced` if it refuses.
-    fn update(
+    /// Applies a fencing transition in place and returns what `read` takes from the new
+    /// record; `Fenced` if the transition refuses.
+    fn update<T>(
         &self,
         lease: &Lease,
         step: impl FnOnce(Option<&Record>, Timestamp) -> Option<Record>,
-    ) -> Result<Record> {
+        read: impl FnOnce(&Record) -> T,
+    ) -> Result<T> {
         let now = self.clock.now();
         let mut shard = self.shard(&lease.key);
-        let next = step(shard.get(&lease.key), now).ok_or_else(|| Error::Fenced {
+        let fenced = || Error::Fenced {
             key: lease.key.clone(),
             token: lease.token,
-        })?;
-        shard.insert(lease.key.clone(), next.clone());
-        Ok(next)
+        };
+        // `holds` already requires a record, so a fenced step never needs an insert.
+        let slot = shard.get_mut(&lease.key).ok_or_else(fenced)?;
+        let next = step(Some(slot), now).ok_or_else(fenced)?;
+        *slot = next;
+        Ok(read(slot))
+    }
+
+    /// Claims under the shard's lock: the transition, and its write if any.
+    fn claim_now(&self, claim: &Claim) -> ClaimOutcome {
+        let now = self.clock.now();
+        let mut shard = self.shard(&claim.key);
+        match shard.get_mut(&claim.key) {
+            Some(slot) => {
+                let (answer, next) = machine::claim(Some(slot), claim, now);
+                if let Some(next) = next {
+                    *slot = next;
+                }
+                answer
+            }
+            None => {
+                let (answer, next) = machine::claim(None, claim, now);
+                if let Some(next) = next {
+                    shard.insert(claim.key.clone(), next);
+                }
+                answer
+            }
+        }
     }
 }
 
@@ -109,13 +136,12 @@ fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Record>> {
 #[async_trait]
 impl Backend for MemoryBackend {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
-        let now = self.clock.now();
-        let mut shard = self.shard(&claim.key);
-        let (answer, next) = machine::claim(shard.get(&claim.key), claim, now);
-        if let Some(next) = next {
-            shard.insert(claim.key.clone(), next);
-        }
-        Ok(answer)
+        Ok(self.claim_now(claim))
+    }
+
+    /// In turn, as separate claims would, without a future per claim.
+    async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
+        Ok(claims.iter().map(|c| self.claim_now(c)).collect())
     }
 
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
@@ -126,10 +152,11 @@ impl Backend for MemoryBackend {
                 limit: self.max_response_bytes,
             });
         }
-        self.update(lease, |cur, now| {
-            machine::complete(cur, lease, response, retention, now)
-        })
-        .map(drop)
+        self.update(
+            lease,
+            |cur, now| machine::complete(cur, lease, response, retention, now),
+            |_| (),
+        )
     }
 
     async fn fail(
@@ -139,15 +166,19 @@ impl Backend for MemoryBackend {
         kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        self.update(lease, |cur, now| {
-            machine::fail(cur, lease, error, kind, retention, now)
-        })
-        .map(drop)
+        self.update(
+            lease,
+            |cur, now| machine::fail(cur, lease, error, kind, retention, now),
+            |_| (),
+        )
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
-        let next = self.update(lease, |cur, now| machine::extend(cur, lease, ttl, now))?;
-        Ok(next.lease_until.unwrap_or_default())
+        self.update(
+            lease,
+            |cur, now| machine::extend(cur, lease, ttl, now),
+            |r| r.lease_until.unwrap_or_default(),
+        )
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>> {
