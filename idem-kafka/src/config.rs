@@ -290,8 +290,12 @@ impl ConsumerBuilder {
     }
 
     /// How many fetched messages of one partition may wait for its worker before the
-    /// partition is paused in the client (default 20 batches). A stalled partition is
-    /// paused at once whatever this says.
+    /// partition is paused in the client. The default is what librdkafka prefetches per
+    /// partition, `queued.min.messages` (100,000 unless the client config sets it): a pause
+    /// makes librdkafka drop what it fetched for the partition and fetch it again on
+    /// resume, so pausing sooner than librdkafka would stop fetching only adds refetches.
+    /// Lower it when many partitions carry large messages. A stalled partition is paused at
+    /// once whatever this says.
     pub fn max_buffered(mut self, n: usize) -> Self {
         self.buffer = Some(n);
         self
@@ -432,6 +436,10 @@ impl ConsumerBuilder {
             p
         });
         let sample = engine.claim_for(&Key::new(namespace.clone(), "probe")?, b"");
+        let buffer = self
+            .buffer
+            .unwrap_or_else(|| prefetch(&config))
+            .max(self.batch_size);
         let settings = Settings {
             consumer_config: config,
             producer_config,
@@ -446,10 +454,7 @@ impl ConsumerBuilder {
             missing_key: self.missing_key,
             partition_concurrency: self.partition_concurrency,
             batch_size: self.batch_size,
-            buffer: self
-                .buffer
-                .unwrap_or_else(|| self.batch_size.saturating_mul(20))
-                .max(self.batch_size),
+            buffer,
             commit_interval: self.commit_interval,
             revoke_timeout: self.revoke_timeout,
             backoff: self.backoff,
@@ -587,4 +592,12 @@ mod tests {
             .engine(engine());
         assert!(config_error(no_handler).contains("handler"));
     }
+}
+
+/// librdkafka's prefetch per partition: `queued.min.messages`, default 100,000.
+fn prefetch(config: &ClientConfig) -> usize {
+    config
+        .get("queued.min.messages")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(100_000)
 }
