@@ -480,11 +480,29 @@ impl fmt::Debug for ConsumerBuilder {
     }
 }
 
+/// librdkafka's prefetch per partition: `queued.min.messages`, default 100,000.
+fn prefetch(config: &ClientConfig) -> usize {
+    config
+        .get("queued.min.messages")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(100_000)
+}
+
 #[cfg(test)]
 mod tests {
     use idem_core::MemoryBackend;
 
     use super::*;
+
+    #[test]
+    fn the_buffer_follows_librdkafkas_prefetch() {
+        let mut c = ClientConfig::new();
+        assert_eq!(prefetch(&c), 100_000);
+        c.set("queued.min.messages", "2500");
+        assert_eq!(prefetch(&c), 2500);
+        c.set("queued.min.messages", "lots");
+        assert_eq!(prefetch(&c), 100_000);
+    }
 
     fn engine() -> Engine {
         Engine::builder(Arc::new(MemoryBackend::new()))
@@ -592,12 +610,4 @@ mod tests {
             .engine(engine());
         assert!(config_error(no_handler).contains("handler"));
     }
-}
-
-/// librdkafka's prefetch per partition: `queued.min.messages`, default 100,000.
-fn prefetch(config: &ClientConfig) -> usize {
-    config
-        .get("queued.min.messages")
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(100_000)
 }

@@ -332,25 +332,24 @@ impl Raw for PutIfAbsent {
                     .send()
             })
             .collect();
-        let refused_as_present = |r: std::result::Result<_, SdkError<PutItemError, _>>| match r {
-            // Like `ON CONFLICT DO NOTHING` and `SET NX`, a key already there is not an
-            // error. It happens when the SDK retries a put that had in fact succeeded.
-            Err(e)
-                if e.as_service_error()
-                    .is_some_and(PutItemError::is_conditional_check_failed_exception) =>
-            {
-                Ok(())
-            }
-            r => r.map(drop),
-        };
-        futures::stream::iter(puts)
+        let results = futures::stream::iter(puts)
             .buffer_unordered(self.parallelism)
             .collect::<Vec<_>>()
-            .await
+            .await;
+        // Like `ON CONFLICT DO NOTHING` and `SET NX`, a key already there is not an error.
+        // It happens when the SDK retries a put that had in fact succeeded.
+        let present = |e: &SdkError<PutItemError, _>| {
+            e.as_service_error()
+                .is_some_and(PutItemError::is_conditional_check_failed_exception)
+        };
+        match results
             .into_iter()
-            .try_for_each(refused_as_present)
-            .map_err(|e| idem_core::Error::unavailable("conditional PutItem", e))
-            .store("raw baseline")
+            .find_map(|r| r.err().filter(|e| !present(e)))
+        {
+            None => Ok(()),
+            Some(e) => Err(idem_core::Error::unavailable("conditional PutItem", e)),
+        }
+        .store("raw baseline")
     }
 }
 
