@@ -371,6 +371,15 @@ async fn two_consumers_in_one_group_rebalance() {
     recorder.wait_settled(40, WAIT).await;
     let b = launch("b", b_runs.clone());
     recorder.wait_settled(400, WAIT).await;
+    // Settles count replays too: after the rebalance, the new owner replays what the old
+    // one settled past its last commit. Done is when every partition's offset is
+    // committed through its last message (commits run every 50 ms).
+    let deadline = std::time::Instant::now() + WAIT;
+    while committed(&brokers, &group, &topic, 4) != vec![100; 4]
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     a.stop().await;
     b.stop().await;
 
