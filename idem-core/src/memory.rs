@@ -83,14 +83,13 @@ impl MemoryBackend {
         lock(&self.shards[i])
     }
 
-    /// Applies a fencing transition in place and returns what `read` takes from the new
-    /// record; `Fenced` if the transition refuses.
-    fn update<T>(
+    /// Applies a fencing transition in place and returns the new lease deadline, if any;
+    /// `Fenced` if the transition refuses.
+    fn update(
         &self,
         lease: &Lease,
         step: impl FnOnce(Option<&Record>, Timestamp) -> Option<Record>,
-        read: impl FnOnce(&Record) -> T,
-    ) -> Result<T> {
+    ) -> Result<Option<Timestamp>> {
         let now = self.clock.now();
         let mut shard = self.shard(&lease.key);
         let fenced = || Error::Fenced {
@@ -99,31 +98,19 @@ impl MemoryBackend {
         };
         // `holds` already requires a record, so a fenced step never needs an insert.
         let slot = shard.get_mut(&lease.key).ok_or_else(fenced)?;
-        let next = step(Some(slot), now).ok_or_else(fenced)?;
-        *slot = next;
-        Ok(read(slot))
+        *slot = step(Some(slot), now).ok_or_else(fenced)?;
+        Ok(slot.lease_until)
     }
 
     /// Claims under the shard's lock: the transition, and its write if any.
     fn claim_now(&self, claim: &Claim) -> ClaimOutcome {
         let now = self.clock.now();
         let mut shard = self.shard(&claim.key);
-        match shard.get_mut(&claim.key) {
-            Some(slot) => {
-                let (answer, next) = machine::claim(Some(slot), claim, now);
-                if let Some(next) = next {
-                    *slot = next;
-                }
-                answer
-            }
-            None => {
-                let (answer, next) = machine::claim(None, claim, now);
-                if let Some(next) = next {
-                    shard.insert(claim.key.clone(), next);
-                }
-                answer
-            }
+        let (answer, next) = machine::claim(shard.get(&claim.key), claim, now);
+        if let Some(next) = next {
+            shard.insert(claim.key.clone(), next);
         }
+        answer
     }
 }
 
@@ -152,11 +139,10 @@ impl Backend for MemoryBackend {
                 limit: self.max_response_bytes,
             });
         }
-        self.update(
-            lease,
-            |cur, now| machine::complete(cur, lease, response, retention, now),
-            |_| (),
-        )
+        self.update(lease, |cur, now| {
+            machine::complete(cur, lease, response, retention, now)
+        })
+        .map(drop)
     }
 
     async fn fail(
@@ -166,19 +152,15 @@ impl Backend for MemoryBackend {
         kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        self.update(
-            lease,
-            |cur, now| machine::fail(cur, lease, error, kind, retention, now),
-            |_| (),
-        )
+        self.update(lease, |cur, now| {
+            machine::fail(cur, lease, error, kind, retention, now)
+        })
+        .map(drop)
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
-        self.update(
-            lease,
-            |cur, now| machine::extend(cur, lease, ttl, now),
-            |r| r.lease_until.unwrap_or_default(),
-        )
+        let until = self.update(lease, |cur, now| machine::extend(cur, lease, ttl, now))?;
+        Ok(until.unwrap_or_default())
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>> {

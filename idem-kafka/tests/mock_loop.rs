@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Effects, Out, Recorder, builder, committed, engine, mock, produce, start, unique};
+use common::{
+    Effects, Out, Recorder, builder, committed, engine, mock, produce, start, unique,
+    wait_committed,
+};
 use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
 use idem_kafka::KeySource;
 
@@ -229,14 +232,7 @@ async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
         &recorder,
     );
     recorder.wait_settled(1, WAIT).await;
-    let deadline = std::time::Instant::now() + WAIT;
-    while committed(&brokers, &group, &topic, 1) != vec![1] {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "offset 1 never committed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_committed(&brokers, &group, &topic, &[1], WAIT).await;
     // The partition waits on "held": for a while, nothing past it runs or is committed.
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(
@@ -374,12 +370,7 @@ async fn two_consumers_in_one_group_rebalance() {
     // Settles count replays too: after the rebalance, the new owner replays what the old
     // one settled past its last commit. Done is when every partition's offset is
     // committed through its last message (commits run every 50 ms).
-    let deadline = std::time::Instant::now() + WAIT;
-    while committed(&brokers, &group, &topic, 4) != vec![100; 4]
-        && std::time::Instant::now() < deadline
-    {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_committed(&brokers, &group, &topic, &[100; 4], WAIT).await;
     a.stop().await;
     b.stop().await;
 
@@ -431,14 +422,7 @@ async fn failed_commits_are_retried() {
     );
     recorder.wait_settled(30, WAIT).await;
     // The first commits failed; a later periodic commit carries the settled offset.
-    let deadline = std::time::Instant::now() + WAIT;
-    while committed(&brokers, &group, &topic, 1) != vec![30] {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "offset 30 never committed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_committed(&brokers, &group, &topic, &[30], WAIT).await;
     running.stop().await;
 }
 

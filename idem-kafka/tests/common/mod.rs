@@ -226,6 +226,30 @@ pub fn committed(brokers: &str, group: &str, topic: &str, partitions: i32) -> Ve
     offsets
 }
 
+/// Waits until `group`'s committed offsets on `topic` are `want`, asking the broker every
+/// 50 ms (it sends no signal); fails the test if they are not by `within`.
+pub async fn wait_committed(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    want: &[i64],
+    within: Duration,
+) {
+    let partitions = i32::try_from(want.len()).expect("partitions");
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let got = committed(brokers, group, topic, partitions);
+        if got == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "committed {got:?}, never {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// An engine over `backend` with a short lease.
 pub fn engine(backend: Arc<dyn Backend>, owner: &str, lease: Duration) -> Engine {
     Engine::builder(backend)
