@@ -8,6 +8,6 @@ mod error;
 mod sql;
 mod transactional;
 
-pub use backend::PgBackend;
+pub use backend::{PLANNING, PgBackend};
 pub use config::PgConfig;
 pub use transactional::{OffsetPosition, PgTransaction, StoredOffset};

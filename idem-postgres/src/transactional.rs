@@ -2,6 +2,7 @@
 //! commit in one PostgreSQL transaction.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -97,11 +98,11 @@ impl PgBackend {
             }
             ClaimOutcome::Mismatch => return Ok(Outcome::Mismatch),
         };
-        // One message: the handler's statements plan with the server's own setting, not
-        // the one idem's connections use (see `PgBackend::connect`).
+        // One message: the handler's statements plan with the server's own settings, not
+        // the ones idem's connections use (see `PLANNING`).
         let begin = self
             .pool
-            .begin_with("BEGIN; SET LOCAL enable_seqscan TO DEFAULT");
+            .begin_with(sqlx::AssertSqlSafe(Arc::clone(&self.begin)));
         let mut tx = self.timed("begin", begin).await?;
         let ran = AssertUnwindSafe(handler(&mut tx, lease.clone()))
             .catch_unwind()

@@ -4,7 +4,8 @@
 //!   retention`), so the update changes no indexed column and PostgreSQL makes it a HOT
 //!   update: no index writes. Outside those conditions it falls back to `now() + retention`.
 //! - Claims find rows by index even when their cached plan was made while the table was
-//!   tiny, and transactional handlers still plan with the server's own settings.
+//!   tiny, they reuse one cached plan instead of planning every call, and transactional
+//!   handlers still plan with the server's own settings.
 
 mod common;
 
@@ -137,32 +138,73 @@ async fn claims_find_rows_by_index_after_the_table_grows_under_a_cached_plan() {
 }
 
 #[tokio::test]
+async fn claims_reuse_one_plan_instead_of_planning_each_call() {
+    let (backend, _) = single_connection().await;
+    for i in 0..10 {
+        acquire(&backend, &claim(&format!("k{i}"), RETENTION)).await;
+    }
+    // The same connection, the only one: prepared statements are per session.
+    let (generic, custom): (i64, i64) = sqlx::query_as(
+        "SELECT coalesce(sum(generic_plans), 0)::int8, coalesce(sum(custom_plans), 0)::int8 \
+         FROM pg_prepared_statements WHERE strpos(statement, 'idem_records') > 0",
+    )
+    .fetch_one(backend.pool())
+    .await
+    .expect("read prepared statements");
+    assert_eq!(custom, 0, "claims were planned afresh {custom} times");
+    assert!(generic >= 10, "only {generic} runs of a cached plan");
+}
+
+/// The values of the `PLANNING` settings on a connection that does not set them.
+async fn server_settings() -> Vec<String> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(&common::url())
+        .await
+        .expect("connect");
+    let mut values = Vec::new();
+    for (name, _) in idem_postgres::PLANNING {
+        let v: String = sqlx::query_scalar("SELECT current_setting($1)")
+            .bind(name)
+            .fetch_one(&mut conn)
+            .await
+            .expect("show");
+        values.push(v);
+    }
+    values
+}
+
+#[tokio::test]
 async fn a_transactional_handler_plans_with_the_servers_own_settings() {
     let backend = common::backend().await;
-    let ours: String = sqlx::query_scalar("SHOW enable_seqscan")
-        .fetch_one(backend.pool())
-        .await
-        .expect("show");
-    assert_eq!(
-        ours, "off",
-        "idem's own statements plan without sequential scans"
-    );
-    let server: String =
-        sqlx::query_scalar("SELECT reset_val FROM pg_settings WHERE name = 'enable_seqscan'")
+    let mut ours = Vec::new();
+    for (name, value) in idem_postgres::PLANNING {
+        let v: String = sqlx::query_scalar("SELECT current_setting($1)")
+            .bind(name)
             .fetch_one(backend.pool())
             .await
-            .expect("reset value");
+            .expect("show");
+        assert_eq!(v, value, "idem's own statements run with {name} = {value}");
+        ours.push(v);
+    }
+    let server = server_settings().await;
+    assert_ne!(
+        server, ours,
+        "this test needs a server with other settings than idem's"
+    );
     let c = claim("k", RETENTION);
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let inside = seen.clone();
     backend
         .execute_in_transaction(&c, RETENTION, None, move |tx, _lease| {
             Box::pin(async move {
-                let v: String = sqlx::query_scalar("SHOW enable_seqscan")
-                    .fetch_one(&mut **tx)
-                    .await
-                    .map_err(idem_core::HandlerError::retry)?;
-                *inside.lock().expect("lock") = v;
+                for (name, _) in idem_postgres::PLANNING {
+                    let v: String = sqlx::query_scalar("SELECT current_setting($1)")
+                        .bind(name)
+                        .fetch_one(&mut **tx)
+                        .await
+                        .map_err(idem_core::HandlerError::retry)?;
+                    inside.lock().expect("lock").push(v);
+                }
                 Ok(Bytes::from_static(b"ok"))
             })
         })
