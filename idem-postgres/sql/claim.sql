@@ -1,6 +1,7 @@
--- Claims a batch of distinct keys in one statement. Parameters are arrays, one element per
--- claim: $1 namespace, $2 id, $3 owner, $4 lease ttl (ms), $5 fingerprint (bytea or null),
--- $6 max attempts, $7 retention (ms). The database clock now() decides; it is fixed for the
+-- Claims a batch of distinct keys in one statement. Parameters, one element per claim as
+-- arrays (or scalars for a single claim, see INPUT_ONE in src/sql.rs): $1 namespace, $2 id,
+-- $3 owner, $4 lease ttl (ms), $5 fingerprint (bytea or null), $6 max attempts, $7 retention
+-- (ms). The database clock now() decides; it is fixed for the
 -- whole statement, so every condition below sees the same instant.
 --
 -- `current` reads the keys without locking. A key that exists and is not claimable (a
@@ -11,10 +12,7 @@
 -- failed, claim_kind 'poisoned'); the others with written = false, and the client answers
 -- from them with idem_core::machine, using now_ms.
 WITH input AS (
-    SELECT namespace, id, owner, ttl_ms, fingerprint, greatest(max_attempts, 1) AS max_attempts,
-           retention_ms
-    FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::bytea[], $6::int4[], $7::int8[])
-        AS u (namespace, id, owner, ttl_ms, fingerprint, max_attempts, retention_ms)
+    {input}
 ),
 current AS (
     SELECT c.*

@@ -17,7 +17,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use crate::config::PgConfig;
 use crate::error::map;
-use crate::sql::{Statements, Stmt};
+use crate::sql::{ClaimStmt, Statements};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -183,29 +183,41 @@ impl PgBackend {
     /// caller asks again.
     async fn claim_round(
         &self,
-        stmt: &Stmt,
+        stmt: &ClaimStmt,
         claims: &[&Claim],
     ) -> Result<Vec<Option<ClaimOutcome>>> {
-        let mut ns = Vec::with_capacity(claims.len());
-        let (mut ids, mut owners, mut ttls) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut fps, mut maxes, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
-        for c in claims {
-            ns.push(c.key.namespace());
-            ids.push(c.key.id());
-            owners.push(c.owner.as_str());
-            ttls.push(millis(c.lease_ttl));
-            fps.push(c.fingerprint.map(|f| f.0.to_vec()));
-            maxes.push(i32::try_from(c.max_attempts).unwrap_or(i32::MAX));
-            retentions.push(millis(c.retention));
-        }
-        let query = sqlx::query(stmt.sql())
-            .bind(ns)
-            .bind(ids)
-            .bind(owners)
-            .bind(ttls)
-            .bind(fps)
-            .bind(maxes)
-            .bind(retentions);
+        let query = match claims {
+            [c] => sqlx::query(stmt.one.sql())
+                .bind(c.key.namespace())
+                .bind(c.key.id())
+                .bind(c.owner.as_str())
+                .bind(millis(c.lease_ttl))
+                .bind(c.fingerprint.map(|f| f.0.to_vec()))
+                .bind(i32::try_from(c.max_attempts).unwrap_or(i32::MAX))
+                .bind(millis(c.retention)),
+            _ => {
+                let mut ns = Vec::with_capacity(claims.len());
+                let (mut ids, mut owners, mut ttls) = (Vec::new(), Vec::new(), Vec::new());
+                let (mut fps, mut maxes, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
+                for c in claims {
+                    ns.push(c.key.namespace());
+                    ids.push(c.key.id());
+                    owners.push(c.owner.as_str());
+                    ttls.push(millis(c.lease_ttl));
+                    fps.push(c.fingerprint.map(|f| f.0.to_vec()));
+                    maxes.push(i32::try_from(c.max_attempts).unwrap_or(i32::MAX));
+                    retentions.push(millis(c.retention));
+                }
+                sqlx::query(stmt.many.sql())
+                    .bind(ns)
+                    .bind(ids)
+                    .bind(owners)
+                    .bind(ttls)
+                    .bind(fps)
+                    .bind(maxes)
+                    .bind(retentions)
+            }
+        };
         let rows = self.timed("claim", query.fetch_all(&self.pool)).await?;
         let mut by_key = HashMap::with_capacity(rows.len());
         for row in &rows {
@@ -239,7 +251,7 @@ impl PgBackend {
     /// Claims with `stmt` (a claim statement), in rounds of distinct keys.
     pub(crate) async fn claim_with(
         &self,
-        stmt: &Stmt,
+        stmt: &ClaimStmt,
         claims: &[Claim],
     ) -> Result<Vec<ClaimOutcome>> {
         let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];

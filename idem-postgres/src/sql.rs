@@ -86,14 +86,43 @@ impl Stmt {
 
 const CLAIM: &str = include_str!("../sql/claim.sql");
 
+/// The claims of `claim.sql` as arrays, one element per claim.
+const INPUT_MANY: &str = "SELECT namespace, id, owner, ttl_ms, fingerprint, \
+    greatest(max_attempts, 1) AS max_attempts, retention_ms \
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::bytea[], $6::int4[], \
+    $7::int8[]) AS u (namespace, id, owner, ttl_ms, fingerprint, max_attempts, retention_ms)";
+
+/// One claim as scalars. Arrays hide their length from the planner; scalars also spare the
+/// unnest (measured with pgbench: 6% more single claims per second).
+const INPUT_ONE: &str = "SELECT $1::text AS namespace, $2::text AS id, $3::text AS owner, \
+    $4::int8 AS ttl_ms, $5::bytea AS fingerprint, greatest($6::int4, 1) AS max_attempts, \
+    $7::int8 AS retention_ms";
+
+/// The claim statement for a batch and for one claim, with the same commit mode.
+#[derive(Debug)]
+pub(crate) struct ClaimStmt {
+    pub many: Stmt,
+    pub one: Stmt,
+}
+
+impl ClaimStmt {
+    fn new(commit_mode: &str, schema: &str) -> Self {
+        let claim = CLAIM.replace("{commit_mode}", commit_mode);
+        ClaimStmt {
+            many: Stmt::new(&claim.replace("{input}", INPUT_MANY), schema),
+            one: Stmt::new(&claim.replace("{input}", INPUT_ONE), schema),
+        }
+    }
+}
+
 /// Every statement the backend runs.
 #[derive(Debug)]
 pub(crate) struct Statements {
-    pub claim: Stmt,
+    pub claim: ClaimStmt,
     /// The claim with an asynchronous commit, for transactional mode: the main
     /// transaction's synchronous commit flushes the WAL past it anyway, so only a server
     /// crash before that commit can lose it, and then the handler's work is lost too.
-    pub claim_async: Stmt,
+    pub claim_async: ClaimStmt,
     pub complete_with_offset: Stmt,
     pub complete: Stmt,
     pub fail: Stmt,
@@ -111,8 +140,8 @@ impl Statements {
     pub fn new(schema: &str) -> Self {
         let s = |t: &str| Stmt::new(t, schema);
         Statements {
-            claim: s(&CLAIM.replace("{commit_mode}", "")),
-            claim_async: s(&CLAIM.replace("{commit_mode}", ASYNC_COMMIT)),
+            claim: ClaimStmt::new("", schema),
+            claim_async: ClaimStmt::new(ASYNC_COMMIT, schema),
             complete_with_offset: s(include_str!("../sql/complete_with_offset.sql")),
             complete: s(include_str!("../sql/complete.sql")),
             fail: s(include_str!("../sql/fail.sql")),
