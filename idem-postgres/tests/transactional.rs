@@ -164,33 +164,13 @@ async fn a_dropped_future_rolls_back_and_the_key_is_taken_over_later() {
         partition: 3,
         offset: 7,
     };
-    let (inserted_tx, inserted) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn({
-        let (backend, ledger, key, at) = (
-            Arc::clone(&backend),
-            ledger.clone(),
-            key.clone(),
-            at.clone(),
-        );
-        async move {
-            backend
-                .execute_in_transaction(&claim(&key, "doomed", lease), HOUR, Some(&at), |tx, _| {
-                    async move {
-                        let q =
-                            format!("INSERT INTO {ledger} (key, by_task) VALUES ('dropped', 1)");
-                        sqlx::query(AssertSqlSafe(q)).execute(&mut **tx).await?;
-                        let _ = inserted_tx.send(());
-                        futures::future::pending::<()>().await;
-                        Ok(Bytes::new())
-                    }
-                    .boxed()
-                })
-                .await
-        }
-    });
-    inserted.await.expect("the handler inserted");
-    task.abort();
-    assert!(task.await.expect_err("aborted").is_cancelled());
+    run_and_kill(
+        &backend,
+        &ledger,
+        claim(&key, "doomed", lease),
+        Some(at.clone()),
+    )
+    .await;
     assert_eq!(count(&backend, &ledger).await, 0, "no business row");
     assert_eq!(backend.stored_offsets("g").await.expect("offsets"), vec![]);
     let rec = backend
@@ -304,15 +284,20 @@ fn decline(
     async { Err(HandlerError::retry("no")) }.boxed()
 }
 
-/// Starts a transactional run whose handler inserts, then never returns; kills it (drops
-/// the future, as a killed process would) once the insert is done.
-async fn run_and_kill(backend: &Arc<PgBackend>, ledger: &str, c: Claim) {
+/// Starts a transactional run (storing `at` if given) whose handler inserts, then never
+/// returns; kills it (drops the future, as a killed process would) once the insert is done.
+async fn run_and_kill(
+    backend: &Arc<PgBackend>,
+    ledger: &str,
+    c: Claim,
+    at: Option<OffsetPosition>,
+) {
     let (inserted_tx, inserted) = tokio::sync::oneshot::channel();
     let task = tokio::spawn({
         let (backend, ledger) = (Arc::clone(backend), ledger.to_owned());
         async move {
             backend
-                .execute_in_transaction(&c, HOUR, None, |tx, _| {
+                .execute_in_transaction(&c, HOUR, at.as_ref(), |tx, _| {
                     async move {
                         let q = format!("INSERT INTO {ledger} (key, by_task) VALUES ('k', 0)");
                         sqlx::query(AssertSqlSafe(q)).execute(&mut **tx).await?;
@@ -341,6 +326,7 @@ async fn a_crash_loop_stays_bounded_by_max_attempts() {
             &backend,
             &ledger,
             claim(&key, &format!("w{attempt}"), lease),
+            None,
         )
         .await;
         let rec = backend.get(&key).await.expect("get").expect("record");
