@@ -3,7 +3,7 @@
 -- $1-$4 the lease, $5 response, $6 retention (ms), $7 group, $8 topic, $9 partition,
 -- $10 next offset (null: no offset to store).
 WITH done AS (
-    UPDATE {schema}.idem_records
+    UPDATE {schema}.idem_records AS r
     SET state = 'completed', response = $5, lease_until = NULL, error = NULL,
         expires_at = {settled_expiry_6}, updated_at = now()
     WHERE namespace = $1 AND id = $2 AND {holds}

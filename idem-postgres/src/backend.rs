@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -15,6 +15,7 @@ use idem_core::{
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
+use crate::coalesce::Coalescer;
 use crate::config::PgConfig;
 use crate::error::map;
 use crate::sql::{ClaimStmt, Statements};
@@ -77,6 +78,9 @@ pub struct PgBackend {
     /// the [`PLANNING`] settings for the handler's statements.
     pub(crate) begin: Arc<str>,
     schema: String,
+    /// Coalescing of concurrent single claims and completes, started on first use.
+    batch: Arc<OnceLock<Option<Batchers>>>,
+    coalesce: usize,
     max_response_bytes: usize,
     purge_batch: i64,
     timeout: Duration,
@@ -118,6 +122,8 @@ impl PgBackend {
             sql: Arc::new(Statements::new(&schema)),
             begin: Arc::from("BEGIN"),
             schema,
+            batch: Arc::new(OnceLock::new()),
+            coalesce: config.coalesce,
             max_response_bytes: config.max_response_bytes,
             purge_batch: config.purge_batch.max(1),
             timeout: config.connect_timeout * 2,
@@ -247,7 +253,118 @@ impl PgBackend {
     }
 }
 
+/// The coalescers of single claims and of completes.
+struct Batchers {
+    claims: Coalescer<Claim, ClaimOutcome>,
+    completes: Coalescer<(Lease, Bytes, Duration), ()>,
+}
+
+impl std::fmt::Debug for Batchers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Batchers")
+    }
+}
+
+/// The most calls one coalesced statement carries.
+const MAX_BATCH: usize = 128;
+
 impl PgBackend {
+    /// The coalescers, started on first use on the current Tokio runtime; `None` when
+    /// coalescing is off or there is no runtime.
+    fn batchers(&self) -> Option<&Batchers> {
+        if self.coalesce == 0 {
+            return None;
+        }
+        self.batch
+            .get_or_init(|| {
+                tokio::runtime::Handle::try_current().ok()?;
+                // The drivers hold a backend without coalescers of its own, so they end
+                // when the last handle on these is dropped.
+                let direct = PgBackend {
+                    batch: Arc::new(OnceLock::new()),
+                    coalesce: 0,
+                    ..self.clone()
+                };
+                let for_completes = direct.clone();
+                Some(Batchers {
+                    claims: Coalescer::spawn(self.coalesce, MAX_BATCH, move |claims| {
+                        let backend = direct.clone();
+                        Box::pin(async move {
+                            let answers = backend.claim_with(&backend.sql.claim, &claims).await?;
+                            Ok(answers.into_iter().map(Ok).collect())
+                        })
+                    }),
+                    completes: Coalescer::spawn(self.coalesce, MAX_BATCH, move |done| {
+                        let backend = for_completes.clone();
+                        Box::pin(async move { backend.complete_many(&done).await })
+                    }),
+                })
+            })
+            .as_ref()
+    }
+
+    /// [`Backend::complete`] for many leases, each with its response and retention, in one
+    /// statement per round of distinct keys. One answer per lease, in order: `Ok` where it
+    /// completed, `Fenced` where its lease was no longer held, `TooLarge` for a response
+    /// over the limit; as if completed one after another. `Err` when the store failed.
+    pub async fn complete_many(
+        &self,
+        done: &[(Lease, Bytes, Duration)],
+    ) -> Result<Vec<Result<()>>> {
+        let mut answers: Vec<Result<()>> = Vec::with_capacity(done.len());
+        let mut pending: Vec<usize> = Vec::with_capacity(done.len());
+        for (i, (lease, response, _)) in done.iter().enumerate() {
+            if response.len() > self.max_response_bytes {
+                answers.push(Err(Error::TooLarge {
+                    what: "response",
+                    size: response.len(),
+                    limit: self.max_response_bytes,
+                }));
+            } else {
+                answers.push(Err(fenced_error(lease)));
+                pending.push(i);
+            }
+        }
+        while !pending.is_empty() {
+            let mut seen = HashSet::new();
+            let (round, rest): (Vec<usize>, Vec<usize>) =
+                pending.iter().partition(|&&i| seen.insert(&done[i].0.key));
+            let (mut ns, mut ids, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut owners, mut responses, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
+            for &i in &round {
+                let (lease, response, retention) = &done[i];
+                ns.push(lease.key.namespace());
+                ids.push(lease.key.id());
+                tokens.push(i64::try_from(lease.token).unwrap_or(i64::MAX));
+                owners.push(lease.owner.as_str());
+                responses.push(response.as_ref());
+                retentions.push(millis(*retention));
+            }
+            let query = sqlx::query(self.sql.complete_many.sql())
+                .bind(ns)
+                .bind(ids)
+                .bind(tokens)
+                .bind(owners)
+                .bind(responses)
+                .bind(retentions);
+            let rows = self.timed("complete", query.fetch_all(&self.pool)).await?;
+            let mut completed = HashSet::with_capacity(rows.len());
+            for row in &rows {
+                let namespace: String = row.try_get("namespace").map_err(|e| map("complete", e))?;
+                let id: String = row.try_get("id").map_err(|e| map("complete", e))?;
+                completed.insert((namespace, id));
+            }
+            for &i in &round {
+                let key = &done[i].0.key;
+                if completed.contains(&(key.namespace().to_owned(), key.id().to_owned())) {
+                    answers[i] = Ok(());
+                }
+            }
+            pending = rest;
+        }
+        Ok(answers)
+    }
+
     /// Claims with `stmt` (a claim statement), in rounds of distinct keys.
     pub(crate) async fn claim_with(
         &self,
@@ -369,6 +486,9 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record> {
 #[async_trait]
 impl Backend for PgBackend {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
+        if let Some(b) = self.batchers() {
+            return b.claims.call(claim.clone()).await;
+        }
         let mut answers = self.claim_many(std::slice::from_ref(claim)).await?;
         answers
             .pop()
@@ -388,6 +508,9 @@ impl Backend for PgBackend {
                 size: response.len(),
                 limit: self.max_response_bytes,
             });
+        }
+        if let Some(b) = self.batchers() {
+            return b.completes.call((lease.clone(), response, retention)).await;
         }
         let query = fenced(sqlx::query(self.sql.complete.sql()), lease)
             .bind(response.as_ref())

@@ -3,6 +3,7 @@
 #![deny(missing_docs)]
 
 mod backend;
+mod coalesce;
 mod config;
 mod error;
 mod sql;

@@ -14,15 +14,15 @@ const HOLDS: &str = "state = 'processing' AND token = $3 AND owner = $4 \
     AND (expires_at IS NULL OR expires_at > now())";
 
 /// The expiry of a record that `complete` or `fail` settles, with retention parameter
-/// `$n`: `now() + retention`, unless the claim already set `lease_until + retention` and the
+/// `retention_ms` (a parameter or column) of record `r`: `now() + retention`, unless the claim already set `lease_until + retention` and the
 /// lease is still live, in which case that later expiry is kept unchanged. Keeping it means
 /// the update touches no indexed column, so PostgreSQL can make it a HOT update (no index
 /// writes); the record then lives up to one lease longer than `retention` after settling.
-fn settled_expiry(n: u8) -> String {
-    let retention = format!("${n} * interval '1 millisecond'");
+fn settled_expiry(retention_ms: &str) -> String {
+    let retention = format!("{retention_ms} * interval '1 millisecond'");
     format!(
-        "CASE WHEN lease_until >= now() AND expires_at = lease_until + {retention} \
-         THEN expires_at ELSE now() + {retention} END"
+        "CASE WHEN r.lease_until >= now() AND r.expires_at = r.lease_until + {retention} \
+         THEN r.expires_at ELSE now() + {retention} END"
     )
 }
 
@@ -72,8 +72,9 @@ impl Stmt {
             .replace("{columns}", COLUMNS)
             .replace("{live}", LIVE)
             .replace("{holds}", HOLDS)
-            .replace("{settled_expiry_6}", &settled_expiry(6))
-            .replace("{settled_expiry_7}", &settled_expiry(7))
+            .replace("{settled_expiry_6}", &settled_expiry("$6"))
+            .replace("{settled_expiry_7}", &settled_expiry("$7"))
+            .replace("{settled_expiry_batch}", &settled_expiry("i.retention_ms"))
             .replace("{schema}", schema);
         Stmt(text.into())
     }
@@ -125,6 +126,7 @@ pub(crate) struct Statements {
     pub claim_async: ClaimStmt,
     pub complete_with_offset: Stmt,
     pub complete: Stmt,
+    pub complete_many: Stmt,
     pub fail: Stmt,
     pub extend: Stmt,
     pub get: Stmt,
@@ -144,6 +146,7 @@ impl Statements {
             claim_async: ClaimStmt::new(ASYNC_COMMIT, schema),
             complete_with_offset: s(include_str!("../sql/complete_with_offset.sql")),
             complete: s(include_str!("../sql/complete.sql")),
+            complete_many: s(include_str!("../sql/complete_many.sql")),
             fail: s(include_str!("../sql/fail.sql")),
             extend: s(include_str!("../sql/extend.sql")),
             get: s(include_str!("../sql/get.sql")),

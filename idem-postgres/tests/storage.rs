@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{Backend, Claim, ClaimOutcome, Key, Lease};
-use idem_postgres::{PgBackend, PgConfig};
+use idem_postgres::PgBackend;
 use sqlx::AssertSqlSafe;
 
 const RETENTION: Duration = Duration::from_secs(600);
@@ -58,12 +58,8 @@ async fn table_stat(backend: &PgBackend, schema: &str, column: &str) -> i64 {
 /// A migrated backend in a fresh schema, over one connection (so that its statistics
 /// can be flushed, and its cached plans are the ones every call uses).
 async fn single_connection() -> (PgBackend, String) {
-    let schema = common::fresh_schema();
-    let config = PgConfig::new(common::url())
-        .schema(schema.clone())
-        .max_connections(1);
-    let backend = PgBackend::connect(config).await.expect("connect");
-    backend.migrate().await.expect("migrate");
+    let backend = common::backend_with(|c| c.max_connections(1)).await;
+    let schema = backend.schema().to_owned();
     (backend, schema)
 }
 
