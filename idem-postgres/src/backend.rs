@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::str::FromStr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -15,7 +15,6 @@ use idem_core::{
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
-use crate::coalesce::Coalescer;
 use crate::config::PgConfig;
 use crate::error::map;
 use crate::sql::{ClaimStmt, Statements};
@@ -78,9 +77,6 @@ pub struct PgBackend {
     /// the [`PLANNING`] settings for the handler's statements.
     pub(crate) begin: Arc<str>,
     schema: String,
-    /// Coalescing of concurrent single claims and completes, started on first use.
-    batch: Arc<OnceLock<Option<Batchers>>>,
-    coalesce: usize,
     max_response_bytes: usize,
     purge_batch: i64,
     timeout: Duration,
@@ -122,8 +118,6 @@ impl PgBackend {
             sql: Arc::new(Statements::new(&schema)),
             begin: Arc::from("BEGIN"),
             schema,
-            batch: Arc::new(OnceLock::new()),
-            coalesce: config.coalesce,
             max_response_bytes: config.max_response_bytes,
             purge_batch: config.purge_batch.max(1),
             timeout: config.connect_timeout * 2,
@@ -186,12 +180,13 @@ impl PgBackend {
     /// One statement for claims of distinct keys. `None` where the key was neither written
     /// nor found (a concurrent first insert committed after this statement's snapshot), or
     /// where the database and the state machine disagreed at a millisecond boundary: the
-    /// caller asks again.
+    /// caller asks again. Also returns each found key's record as the statement left it,
+    /// with the database's clock.
     async fn claim_round(
         &self,
         stmt: &ClaimStmt,
         claims: &[&Claim],
-    ) -> Result<Vec<Option<ClaimOutcome>>> {
+    ) -> Result<(Vec<Option<ClaimOutcome>>, HashMap<Key, (Record, Timestamp)>)> {
         let query = match claims {
             [c] => sqlx::query(stmt.one.sql())
                 .bind(c.key.namespace())
@@ -249,60 +244,18 @@ impl PgBackend {
                 }
             });
         }
-        Ok(out)
+        let after = by_key
+            .into_iter()
+            .map(|(key, (rec, _, _, now))| {
+                let now = Timestamp::from_millis(u64::try_from(now).unwrap_or(0));
+                (key, (rec, now))
+            })
+            .collect();
+        Ok((out, after))
     }
 }
-
-/// The coalescers of single claims and of completes.
-struct Batchers {
-    claims: Coalescer<Claim, ClaimOutcome>,
-    completes: Coalescer<(Lease, Bytes, Duration), ()>,
-}
-
-impl std::fmt::Debug for Batchers {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Batchers")
-    }
-}
-
-/// The most calls one coalesced statement carries.
-const MAX_BATCH: usize = 128;
 
 impl PgBackend {
-    /// The coalescers, started on first use on the current Tokio runtime; `None` when
-    /// coalescing is off or there is no runtime.
-    fn batchers(&self) -> Option<&Batchers> {
-        if self.coalesce == 0 {
-            return None;
-        }
-        self.batch
-            .get_or_init(|| {
-                tokio::runtime::Handle::try_current().ok()?;
-                // The drivers hold a backend without coalescers of its own, so they end
-                // when the last handle on these is dropped.
-                let direct = PgBackend {
-                    batch: Arc::new(OnceLock::new()),
-                    coalesce: 0,
-                    ..self.clone()
-                };
-                let for_completes = direct.clone();
-                Some(Batchers {
-                    claims: Coalescer::spawn(self.coalesce, MAX_BATCH, move |claims| {
-                        let backend = direct.clone();
-                        Box::pin(async move {
-                            let answers = backend.claim_with(&backend.sql.claim, &claims).await?;
-                            Ok(answers.into_iter().map(Ok).collect())
-                        })
-                    }),
-                    completes: Coalescer::spawn(self.coalesce, MAX_BATCH, move |done| {
-                        let backend = for_completes.clone();
-                        Box::pin(async move { backend.complete_many(&done).await })
-                    }),
-                })
-            })
-            .as_ref()
-    }
-
     /// [`Backend::complete`] for many leases, each with its response and retention, in one
     /// statement per round of distinct keys. One answer per lease, in order: `Ok` where it
     /// completed, `Fenced` where its lease was no longer held, `TooLarge` for a response
@@ -381,13 +334,35 @@ impl PgBackend {
             let (round, mut rest): (Vec<usize>, Vec<usize>) =
                 pending.iter().partition(|&&i| seen.insert(&claims[i].key));
             let batch: Vec<&Claim> = round.iter().map(|&i| &claims[i]).collect();
-            for (i, answer) in round.into_iter().zip(self.claim_round(stmt, &batch).await?) {
+            let (round_answers, after) = self.claim_round(stmt, &batch).await?;
+            for (i, answer) in round.into_iter().zip(round_answers) {
                 match answer {
                     Some(answer) => answers[i] = Some(answer),
                     None => rest.push(i),
                 }
             }
             rest.sort_unstable();
+            // A repeated key whose record this round left unclaimable to it (a lease just
+            // granted, a stored response) gets the answer a claim made next would get, with
+            // no statement; one it could claim waits for the next round, with every later
+            // repetition of its key.
+            let mut blocked = HashSet::new();
+            rest.retain(|&i| {
+                let c = &claims[i];
+                if !blocked.contains(&c.key) {
+                    if let Some((rec, now)) = after.get(&c.key) {
+                        match machine::claim(Some(rec), c, *now).0 {
+                            ClaimOutcome::Acquired(_) => {}
+                            answer => {
+                                answers[i] = Some(answer);
+                                return false;
+                            }
+                        }
+                    }
+                }
+                blocked.insert(&c.key);
+                true
+            });
             pending = rest;
         }
         answers
@@ -486,17 +461,15 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record> {
 #[async_trait]
 impl Backend for PgBackend {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
-        if let Some(b) = self.batchers() {
-            return b.claims.call(claim.clone()).await;
-        }
         let mut answers = self.claim_many(std::slice::from_ref(claim)).await?;
         answers
             .pop()
             .ok_or_else(|| Error::corrupt("claim returned no answer"))
     }
 
-    /// One statement per batch of distinct keys; a key repeated in the batch takes one more
-    /// statement per repetition, so answers are those of claims made one after another.
+    /// One statement per batch; answers are those of claims made one after another. A key
+    /// repeated in the batch is answered from the record the statement left, unless the
+    /// repeat could claim it, which takes one more statement.
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
         self.claim_with(&self.sql.claim, claims).await
     }
@@ -508,9 +481,6 @@ impl Backend for PgBackend {
                 size: response.len(),
                 limit: self.max_response_bytes,
             });
-        }
-        if let Some(b) = self.batchers() {
-            return b.completes.call((lease.clone(), response, retention)).await;
         }
         let query = fenced(sqlx::query(self.sql.complete.sql()), lease)
             .bind(response.as_ref())

@@ -25,10 +25,6 @@ pub struct PgConfig {
     pub purge_batch: i64,
     /// The `application_name` the connections report in `pg_stat_activity` (default `idem`).
     pub application_name: String,
-    /// How many single-claim statements, and separately how many complete statements, run
-    /// at once before concurrent calls are coalesced into one statement (default: a quarter
-    /// of `max_connections`, at least 1; 0 turns coalescing off). See the crate README.
-    pub coalesce: usize,
 }
 
 impl PgConfig {
@@ -42,7 +38,6 @@ impl PgConfig {
             max_response_bytes: 64 * 1024,
             purge_batch: 1000,
             application_name: "idem".into(),
-            coalesce: 4,
         }
     }
 
@@ -52,17 +47,9 @@ impl PgConfig {
         self
     }
 
-    /// Sets the pool size, and `coalesce` to a quarter of it (at least 1).
+    /// Sets the pool size.
     pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = n;
-        self.coalesce = usize::try_from(n / 4).unwrap_or(1).max(1);
-        self
-    }
-
-    /// Sets how many claim (and complete) statements run at once before concurrent calls
-    /// are coalesced; 0 turns coalescing off.
-    pub fn coalesce(mut self, in_flight: usize) -> Self {
-        self.coalesce = in_flight;
         self
     }
 
@@ -130,7 +117,6 @@ impl fmt::Debug for PgConfig {
             .field("max_response_bytes", &self.max_response_bytes)
             .field("purge_batch", &self.purge_batch)
             .field("application_name", &self.application_name)
-            .field("coalesce", &self.coalesce)
             .finish()
     }
 }

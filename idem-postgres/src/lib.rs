@@ -3,7 +3,6 @@
 #![deny(missing_docs)]
 
 mod backend;
-mod coalesce;
 mod config;
 mod error;
 mod sql;

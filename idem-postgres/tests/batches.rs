@@ -1,13 +1,12 @@
-//! Coalescing: concurrent single claims and completes share statements, with the answers
-//! each call would have got alone.
+//! Batches: `claim_many` with a key repeated, and `complete_many`, answer each item as
+//! if the calls were made one after another.
 
 mod common;
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::future::join_all;
-use idem_core::{Backend, Claim, ClaimOutcome, Error, Key, Lease};
+use idem_core::{Backend, Claim, ClaimOutcome, Error, Fingerprint, Key, Lease};
 use idem_postgres::PgBackend;
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -17,15 +16,10 @@ fn claim(id: &str, owner: &str) -> Claim {
         key: Key::new("co", id).expect("key"),
         owner: owner.into(),
         lease_ttl: Duration::from_secs(30),
-        fingerprint: None,
+        fingerprint: Some(Fingerprint::of(b"payload")),
         max_attempts: 3,
         retention: HOUR,
     }
-}
-
-/// A migrated backend whose calls coalesce behind a single statement in flight.
-async fn one_in_flight() -> PgBackend {
-    common::backend_with(|c| c.max_connections(8).coalesce(1)).await
 }
 
 async fn acquire(backend: &PgBackend, c: &Claim) -> Lease {
@@ -35,33 +29,48 @@ async fn acquire(backend: &PgBackend, c: &Claim) -> Lease {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn thirty_two_concurrent_claims_of_one_key_acquire_once() {
-    let backend = one_in_flight().await;
-    let claims: Vec<Claim> = (0..32).map(|i| claim("same", &format!("w{i}"))).collect();
-    let answers = join_all(claims.iter().map(|c| backend.claim(c))).await;
-    let acquired = answers
-        .iter()
-        .filter(|a| matches!(a, Ok(ClaimOutcome::Acquired(_))))
-        .count();
-    let waiting = answers
-        .iter()
-        .filter(|a| matches!(a, Ok(ClaimOutcome::InProgress { .. })))
-        .count();
-    assert_eq!((acquired, waiting), (1, 31), "{answers:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_distinct_claims_each_acquire() {
-    let backend = one_in_flight().await;
-    let claims: Vec<Claim> = (0..40).map(|i| claim(&format!("k{i}"), "w")).collect();
-    let answers = join_all(claims.iter().map(|c| backend.claim(c))).await;
-    for (c, a) in claims.iter().zip(&answers) {
+#[tokio::test]
+async fn a_key_repeated_in_claim_many_is_answered_as_if_claimed_in_turn() {
+    let backend = common::backend().await;
+    let fresh: Vec<Claim> = (0..4).map(|i| claim("fresh", &format!("w{i}"))).collect();
+    let answers = backend.claim_many(&fresh).await.expect("claim_many");
+    let ClaimOutcome::Acquired(lease) = &answers[0] else {
+        panic!("the first claim of a fresh key acquires: {answers:?}");
+    };
+    for a in &answers[1..] {
         match a {
-            Ok(ClaimOutcome::Acquired(lease)) => assert_eq!(lease.key, c.key),
-            other => panic!("{}: {other:?}", c.key),
+            ClaimOutcome::InProgress { owner, lease_until } => {
+                assert_eq!((owner, *lease_until), (&lease.owner, lease.lease_until));
+            }
+            other => panic!("a repeat sees the lease just granted, got {other:?}"),
         }
     }
+    backend
+        .complete(lease, Bytes::from_static(b"receipt"), HOUR)
+        .await
+        .expect("complete");
+    let mut mixed: Vec<Claim> = (0..3).map(|i| claim("fresh", &format!("v{i}"))).collect();
+    let mut other = claim("fresh", "x");
+    other.fingerprint = Some(Fingerprint::of(b"another payload"));
+    mixed.push(other);
+    mixed.push(claim("new", "v0"));
+    let answers = backend.claim_many(&mixed).await.expect("claim_many");
+    for a in &answers[..3] {
+        assert_eq!(a, &ClaimOutcome::Completed(Bytes::from_static(b"receipt")));
+    }
+    assert!(
+        matches!(
+            answers[3],
+            ClaimOutcome::Completed(_) | ClaimOutcome::Mismatch
+        ),
+        "{:?}",
+        answers[3]
+    );
+    assert!(
+        matches!(answers[4], ClaimOutcome::Acquired(_)),
+        "{:?}",
+        answers[4]
+    );
 }
 
 #[tokio::test]
@@ -116,29 +125,4 @@ async fn complete_many_answers_each_lease_as_if_completed_in_turn() {
         .await
         .expect("get");
     assert_eq!(c.expect("record").state, idem_core::State::Processing);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_completes_coalesce_and_fence_only_the_stale_ones() {
-    let backend = one_in_flight().await;
-    let mut leases = Vec::new();
-    for i in 0..24 {
-        leases.push(acquire(&backend, &claim(&format!("k{i}"), "w")).await);
-    }
-    for lease in leases.iter_mut().step_by(3) {
-        lease.token += 1;
-    }
-    let answers = join_all(
-        leases
-            .iter()
-            .map(|l| backend.complete(l, Bytes::from_static(b"ok"), HOUR)),
-    )
-    .await;
-    for (i, a) in answers.iter().enumerate() {
-        if i % 3 == 0 {
-            assert!(matches!(a, Err(Error::Fenced { .. })), "k{i}: {a:?}");
-        } else {
-            assert!(a.is_ok(), "k{i}: {a:?}");
-        }
-    }
 }
