@@ -294,8 +294,10 @@ impl ConsumerBuilder {
     /// partition, `queued.min.messages` (100,000 unless the client config sets it): a pause
     /// makes librdkafka drop what it fetched for the partition and fetch it again on
     /// resume, so pausing sooner than librdkafka would stop fetching only adds refetches.
-    /// Lower it when many partitions carry large messages. A stalled partition is paused at
-    /// once whatever this says.
+    /// And fetching restarts only once the fetch in flight at the pause returns (up to
+    /// `fetch.wait.max.ms`, 500 ms by default): measured on MockCluster, a buffer of 4 moved
+    /// a partition about 4 messages per half second. Lower it when many partitions carry
+    /// large messages. A stalled partition is paused at once whatever this says.
     pub fn max_buffered(mut self, n: usize) -> Self {
         self.buffer = Some(n);
         self

@@ -707,3 +707,66 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
         "the takeover's result is stored"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_buffer_pauses_the_partition_and_it_resumes_with_each_message_once() {
+    use idem_kafka::Point;
+    let topic = unique("backlog");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = (0..40)
+        .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let backend = Arc::new(MemoryBackend::new());
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let group = unique("g");
+    // The first handler holds its batch until the test lets it go, so the poll thread
+    // fills the four-message buffer behind it and pauses the partition. Each resume waits
+    // for the fetch in flight at the pause (up to `fetch.wait.max.ms`, 500 ms), so the
+    // partition moves in steps: few messages keep the test short.
+    let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+    let started_tx = std::sync::Mutex::new(Some(started_tx));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (fx, g) = (effects.clone(), gate.clone());
+    let running = start(
+        builder(&brokers, &topic, &group)
+            .engine(engine(backend.clone(), "w1", Duration::from_secs(30)))
+            .max_buffered(4)
+            .batch_size(2)
+            .handler(move |msg, _| {
+                let (fx, g) = (fx.clone(), g.clone());
+                let first = msg.offset() == 0;
+                let tx = if first {
+                    started_tx.lock().expect("lock").take()
+                } else {
+                    None
+                };
+                async move {
+                    if let Some(tx) = tx {
+                        let _ = tx.send(());
+                        let _ = g.acquire().await;
+                    }
+                    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                    Ok::<_, HandlerError>(fx.apply(&id))
+                }
+            }),
+        &recorder,
+    );
+    started.await.expect("the first handler started");
+    gate.add_permits(1);
+    recorder.wait_settled(msgs.len(), WAIT).await;
+    wait_committed(&brokers, &group, &topic, &[40], WAIT).await;
+    running.stop().await;
+
+    assert_eq!((effects.distinct(), effects.total()), (40, 40));
+    let settles: Vec<i64> = recorder
+        .points()
+        .into_iter()
+        .filter(|(p, ..)| *p == Point::AfterSettle)
+        .map(|(_, _, offset)| offset)
+        .collect();
+    let expected: Vec<i64> = (0..40).collect();
+    assert_eq!(settles, expected, "each offset settles once, in order");
+}
