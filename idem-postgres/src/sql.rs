@@ -13,9 +13,10 @@ const LIVE: &str = "(expires_at IS NULL OR expires_at > now())";
 const HOLDS: &str = "state = 'processing' AND token = $3 AND owner = $4 \
     AND (expires_at IS NULL OR expires_at > now())";
 
-/// The expiry of a record that `complete` or `fail` settles, with retention parameter
-/// `retention_ms` (a parameter or column) of record `r`: `now() + retention`, unless the claim already set `lease_until + retention` and the
-/// lease is still live, in which case that later expiry is kept unchanged. Keeping it means
+/// The expiry of record `r` as `complete` or `fail` settles it, with retention
+/// `retention_ms` (a parameter or a column): `now() + retention`, unless the claim already
+/// set `lease_until + retention` and the lease is still live, in which case that later
+/// expiry is kept unchanged. Keeping it means
 /// the update touches no indexed column, so PostgreSQL can make it a HOT update (no index
 /// writes); the record then lives up to one lease longer than `retention` after settling.
 fn settled_expiry(retention_ms: &str) -> String {
