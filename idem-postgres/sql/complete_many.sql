@@ -1,10 +1,10 @@
--- complete.sql for a batch of distinct keys, in one statement (concurrent completes that
--- the client coalesced). Parameters are arrays, one element per lease: $1 namespace, $2 id,
--- $3 token, $4 owner, $5 response, $6 retention (ms). Returns the keys it completed; a key
--- missing from the answer was fenced.
+-- complete.sql for a batch of distinct keys, in one statement (PgBackend::complete_many).
+-- Parameters are arrays, one element per lease: $1 namespace, $2 id,
+-- $3 token, $4 owner, $5 response, $6 retention (ms). Returns the 1-based positions of the
+-- leases it completed; a position missing from the answer was fenced.
 WITH i AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[], $5::bytea[], $6::int8[])
-        AS u (namespace, id, token, owner, response, retention_ms)
+        WITH ORDINALITY AS u (namespace, id, token, owner, response, retention_ms, n)
 )
 UPDATE {schema}.idem_records AS r
 SET state = 'completed', response = i.response, lease_until = NULL, error = NULL,
@@ -13,4 +13,4 @@ FROM i
 WHERE r.namespace = i.namespace AND r.id = i.id AND r.state = 'processing'
     AND r.token = i.token AND r.owner = i.owner
     AND (r.expires_at IS NULL OR r.expires_at > now())
-RETURNING r.namespace, r.id
+RETURNING i.n

@@ -186,7 +186,7 @@ impl PgBackend {
         &self,
         stmt: &ClaimStmt,
         claims: &[&Claim],
-    ) -> Result<(Vec<Option<ClaimOutcome>>, HashMap<Key, (Record, Timestamp)>)> {
+    ) -> Result<(Vec<Option<ClaimOutcome>>, HashMap<Key, Found>)> {
         let query = match claims {
             [c] => sqlx::query(stmt.one.sql())
                 .bind(c.key.namespace())
@@ -220,38 +220,32 @@ impl PgBackend {
             }
         };
         let rows = self.timed("claim", query.fetch_all(&self.pool)).await?;
-        let mut by_key = HashMap::with_capacity(rows.len());
+        let mut found = HashMap::with_capacity(rows.len());
         for row in &rows {
             let rec = decode(row)?;
-            let written: bool = row.try_get("written").map_err(|e| map("claim", e))?;
-            let kind: String = row.try_get("claim_kind").map_err(|e| map("claim", e))?;
             let now: i64 = row.try_get("now_ms").map_err(|e| map("claim", e))?;
-            by_key.insert(rec.key.clone(), (rec, written, kind, now));
+            let written = row.try_get("written").map_err(|e| map("claim", e))?;
+            let kind = row.try_get("claim_kind").map_err(|e| map("claim", e))?;
+            let now = Timestamp::from_millis(u64::try_from(now).unwrap_or(0));
+            found.insert(
+                rec.key.clone(),
+                Found {
+                    rec,
+                    written,
+                    kind,
+                    now,
+                },
+            );
         }
         let mut out = Vec::with_capacity(claims.len());
         for claim in claims {
-            let Some((rec, written, kind, now)) = by_key.get(&claim.key) else {
-                out.push(None);
-                continue;
-            };
-            out.push(if *written {
-                Some(granted(rec, kind)?)
-            } else {
-                let now = Timestamp::from_millis(u64::try_from(*now).unwrap_or(0));
-                match machine::claim(Some(rec), claim, now).0 {
-                    ClaimOutcome::Acquired(_) => None,
-                    answer => Some(answer),
-                }
+            out.push(match found.get(&claim.key) {
+                None => None,
+                Some(f) if f.written => Some(granted(&f.rec, &f.kind)?),
+                Some(f) => f.answer(claim),
             });
         }
-        let after = by_key
-            .into_iter()
-            .map(|(key, (rec, _, _, now))| {
-                let now = Timestamp::from_millis(u64::try_from(now).unwrap_or(0));
-                (key, (rec, now))
-            })
-            .collect();
-        Ok((out, after))
+        Ok((out, found))
     }
 }
 
@@ -279,9 +273,7 @@ impl PgBackend {
             }
         }
         while !pending.is_empty() {
-            let mut seen = HashSet::new();
-            let (round, rest): (Vec<usize>, Vec<usize>) =
-                pending.iter().partition(|&&i| seen.insert(&done[i].0.key));
+            let (round, rest) = distinct_round(&pending, |i| &done[i].0.key);
             let (mut ns, mut ids, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
             let (mut owners, mut responses, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
             for &i in &round {
@@ -301,17 +293,14 @@ impl PgBackend {
                 .bind(responses)
                 .bind(retentions);
             let rows = self.timed("complete", query.fetch_all(&self.pool)).await?;
-            let mut completed = HashSet::with_capacity(rows.len());
             for row in &rows {
-                let namespace: String = row.try_get("namespace").map_err(|e| map("complete", e))?;
-                let id: String = row.try_get("id").map_err(|e| map("complete", e))?;
-                completed.insert((namespace, id));
-            }
-            for &i in &round {
-                let key = &done[i].0.key;
-                if completed.contains(&(key.namespace().to_owned(), key.id().to_owned())) {
-                    answers[i] = Ok(());
-                }
+                // The 1-based position of the lease in this round.
+                let n: i64 = row.try_get("n").map_err(|e| map("complete", e))?;
+                let i = usize::try_from(n - 1)
+                    .ok()
+                    .and_then(|n| round.get(n))
+                    .ok_or_else(|| Error::corrupt(format!("complete_many returned row {n}")))?;
+                answers[*i] = Ok(());
             }
             pending = rest;
         }
@@ -330,11 +319,9 @@ impl PgBackend {
             if pending.is_empty() {
                 break;
             }
-            let mut seen = HashSet::new();
-            let (round, mut rest): (Vec<usize>, Vec<usize>) =
-                pending.iter().partition(|&&i| seen.insert(&claims[i].key));
+            let (round, mut rest) = distinct_round(&pending, |i| &claims[i].key);
             let batch: Vec<&Claim> = round.iter().map(|&i| &claims[i]).collect();
-            let (round_answers, after) = self.claim_round(stmt, &batch).await?;
+            let (round_answers, found) = self.claim_round(stmt, &batch).await?;
             for (i, answer) in round.into_iter().zip(round_answers) {
                 match answer {
                     Some(answer) => answers[i] = Some(answer),
@@ -349,19 +336,15 @@ impl PgBackend {
             let mut blocked = HashSet::new();
             rest.retain(|&i| {
                 let c = &claims[i];
-                if !blocked.contains(&c.key) {
-                    if let Some((rec, now)) = after.get(&c.key) {
-                        match machine::claim(Some(rec), c, *now).0 {
-                            ClaimOutcome::Acquired(_) => {}
-                            answer => {
-                                answers[i] = Some(answer);
-                                return false;
-                            }
-                        }
-                    }
+                let answer = match found.get(&c.key) {
+                    Some(f) if !blocked.contains(&c.key) => f.answer(c),
+                    _ => None,
+                };
+                if answer.is_none() {
+                    blocked.insert(&c.key);
                 }
-                blocked.insert(&c.key);
-                true
+                answers[i] = answer;
+                answers[i].is_none()
             });
             pending = rest;
         }
@@ -375,6 +358,35 @@ impl PgBackend {
             })
             .collect()
     }
+}
+
+/// A record a claim statement returned: as the statement left it, whether the statement
+/// wrote it, how it was granted, and the database's clock.
+struct Found {
+    rec: Record,
+    written: bool,
+    kind: String,
+    now: Timestamp,
+}
+
+impl Found {
+    /// The answer `claim` gets from this record without writing, or `None` where it could
+    /// claim it (a statement must do that).
+    fn answer(&self, claim: &Claim) -> Option<ClaimOutcome> {
+        match machine::claim(Some(&self.rec), claim, self.now).0 {
+            ClaimOutcome::Acquired(_) => None,
+            answer => Some(answer),
+        }
+    }
+}
+
+/// Splits `pending` into the first occurrence of each key, in order, and the rest.
+fn distinct_round<'k>(
+    pending: &[usize],
+    key: impl Fn(usize) -> &'k Key,
+) -> (Vec<usize>, Vec<usize>) {
+    let mut seen = HashSet::new();
+    pending.iter().partition(|&&i| seen.insert(key(i)))
 }
 
 /// A duration as whole milliseconds for SQL intervals, capped at about a century.
