@@ -85,13 +85,18 @@ impl<B: Backend> Fixture<B> {
 
     /// Claims and expects `Acquired`.
     pub async fn acquire(&self, claim: &Claim) -> Lease {
-        match self.backend.claim(claim).await {
-            Ok(ClaimOutcome::Acquired(lease)) => lease,
-            other => panic!(
-                "claim of {} by {}: expected Acquired, got {other:?}",
-                claim.key, claim.owner
-            ),
-        }
+        acquire(&self.backend, claim).await
+    }
+}
+
+/// Claims with `backend` and expects `Acquired`; panics naming the key, owner and answer.
+pub async fn acquire<B: Backend + ?Sized>(backend: &B, claim: &Claim) -> Lease {
+    match backend.claim(claim).await {
+        Ok(ClaimOutcome::Acquired(lease)) => lease,
+        other => panic!(
+            "claim of {} by {}: expected Acquired, got {other:?}",
+            claim.key, claim.owner
+        ),
     }
 }
 

@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::types::{AttributeValue, TimeToLiveStatus};
 use bytes::Bytes;
+use conformance::acquire;
 use idem_core::clock::ManualClock;
 use idem_core::machine::lapsed_error;
 use idem_core::{
-    Backend, Claim, ClaimKind, ClaimOutcome, FailureKind, Fingerprint, Key, Lease, Timestamp,
+    Backend, Claim, ClaimKind, ClaimOutcome, FailureKind, Fingerprint, Key, Timestamp,
 };
 use idem_dynamo::DynamoBackend;
 
@@ -34,13 +35,6 @@ fn claim_of(key: &Key, owner: &str) -> Claim {
 
 fn fresh_key(id: &str) -> Key {
     Key::new(conformance::unique_namespace(), id).expect("key")
-}
-
-async fn acquire(b: &DynamoBackend, claim: &Claim) -> Lease {
-    match b.claim(claim).await.expect("claim") {
-        ClaimOutcome::Acquired(lease) => lease,
-        other => panic!("expected Acquired, got {other:?}"),
-    }
 }
 
 #[tokio::test]

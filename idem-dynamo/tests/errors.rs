@@ -7,20 +7,14 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use idem_core::{Backend, Claim, ClaimOutcome, Error, FailureKind, Fingerprint, Key};
+use conformance::acquire;
+use idem_core::{Backend, Claim, Error, FailureKind, Fingerprint, Key};
 use idem_dynamo::{DynamoBackend, DynamoConfig, ITEM_LIMIT_BYTES};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn claim_of(key: &Key, owner: &str) -> Claim {
     conformance::claim_of(key, owner, Duration::from_secs(30))
-}
-
-async fn acquire(b: &DynamoBackend, claim: &Claim) -> idem_core::Lease {
-    match b.claim(claim).await.expect("claim") {
-        ClaimOutcome::Acquired(lease) => lease,
-        other => panic!("expected Acquired, got {other:?}"),
-    }
 }
 
 #[tokio::test]

@@ -6,27 +6,14 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{Backend, Claim, ClaimOutcome, Error, Fingerprint, Key, Lease};
-use idem_postgres::PgBackend;
+use conformance::acquire;
+use idem_core::{Backend, Claim, ClaimOutcome, Error, Fingerprint, Key};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn claim(id: &str, owner: &str) -> Claim {
-    Claim {
-        key: Key::new("co", id).expect("key"),
-        owner: owner.into(),
-        lease_ttl: Duration::from_secs(30),
-        fingerprint: Some(Fingerprint::of(b"payload")),
-        max_attempts: 3,
-        retention: HOUR,
-    }
-}
-
-async fn acquire(backend: &PgBackend, c: &Claim) -> Lease {
-    match backend.claim(c).await.expect("claim") {
-        ClaimOutcome::Acquired(lease) => lease,
-        other => panic!("a fresh key must be acquired, got {other:?}"),
-    }
+    let key = Key::new("co", id).expect("key");
+    conformance::claim_of(&key, owner, Duration::from_secs(30))
 }
 
 #[tokio::test]

@@ -12,7 +12,8 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{Backend, Claim, ClaimOutcome, Key, Lease};
+use conformance::acquire;
+use idem_core::{Backend, Claim, Key};
 use idem_postgres::PgBackend;
 use sqlx::AssertSqlSafe;
 
@@ -26,13 +27,6 @@ fn claim(id: &str, retention: Duration) -> Claim {
         fingerprint: None,
         max_attempts: 3,
         retention,
-    }
-}
-
-async fn acquire(backend: &PgBackend, claim: &Claim) -> Lease {
-    match backend.claim(claim).await.expect("claim") {
-        ClaimOutcome::Acquired(lease) => lease,
-        other => panic!("a fresh key must be acquired, got {other:?}"),
     }
 }
 
