@@ -7,7 +7,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::{
-    Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record, Result, State, Timestamp,
+    Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record, Result, Settle, Settlement, State,
+    Timestamp, Watch,
 };
 
 /// What a backend can do beyond the required operations. The conformance suite and the
@@ -17,24 +18,22 @@ use crate::{
 pub struct Capabilities {
     /// The store drops expired records itself; `purge_expired` has little or nothing to do.
     pub native_expiry: bool,
-    /// `claim_many` is cheaper than a loop of `claim` (one round trip per batch).
-    pub batch_claim: bool,
-    /// The backend offers transactional mode (handler writes commit with the record).
-    pub transactions: bool,
     /// The largest response `complete` accepts, in bytes.
     pub max_response_bytes: usize,
     /// `list` is implemented.
     pub list: bool,
+    /// [`Backend::watch`] is woken by the store when a key is settled (completed, failed,
+    /// released); without it a watch only times out, and a waiting engine polls.
+    pub notify: bool,
 }
 
 impl Default for Capabilities {
     fn default() -> Self {
         Capabilities {
             native_expiry: false,
-            batch_claim: false,
-            transactions: false,
             max_response_bytes: 64 * 1024,
             list: false,
+            notify: false,
         }
     }
 }
@@ -46,21 +45,15 @@ impl Capabilities {
         self
     }
 
-    /// Sets `batch_claim`.
-    pub fn with_batch_claim(mut self, yes: bool) -> Self {
-        self.batch_claim = yes;
-        self
-    }
-
-    /// Sets `transactions`.
-    pub fn with_transactions(mut self, yes: bool) -> Self {
-        self.transactions = yes;
-        self
-    }
-
     /// Sets `list`.
     pub fn with_list(mut self, yes: bool) -> Self {
         self.list = yes;
+        self
+    }
+
+    /// Sets `notify`.
+    pub fn with_notify(mut self, yes: bool) -> Self {
+        self.notify = yes;
         self
     }
 
@@ -131,6 +124,46 @@ pub trait Backend: Send + Sync {
         retention: Duration,
     ) -> Result<()>;
 
+    /// Hands back a lease whose handler never started (a revoke, a shutdown): the attempt
+    /// it counted is taken back and the lease lapses now, so the next claim takes the key
+    /// over at once; the token stays. Only the holder of a live lease can release; a lapsed
+    /// or superseded lease is [`Error::Fenced`](crate::Error::Fenced) and nothing changes.
+    async fn release(&self, lease: &Lease) -> Result<()>;
+
+    /// Settles each item as [`Backend::complete`], [`Backend::fail`] or
+    /// [`Backend::release`] would, answering in the same order with what those calls made
+    /// in turn would answer: `Ok`, [`Error::Fenced`](crate::Error::Fenced) or
+    /// [`Error::TooLarge`](crate::Error::TooLarge) per item. A key repeated in the batch is
+    /// answered from the state the earlier item left; one item's refusal never changes
+    /// another item's record. The batch is not atomic as a whole. A store error fails the
+    /// whole call (some items may have been written: each is safe to settle again, which
+    /// is then fenced or repeats the same write). The default loops over the single calls.
+    async fn settle_many(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            let answer = match &item.settle {
+                Settle::Complete(response) => {
+                    self.complete(&item.lease, response.clone(), retention)
+                        .await
+                }
+                Settle::Fail { error, kind } => {
+                    self.fail(&item.lease, error, *kind, retention).await
+                }
+                Settle::Release => self.release(&item.lease).await,
+            };
+            match answer {
+                Ok(()) => out.push(Ok(())),
+                Err(e @ (Error::Fenced { .. } | Error::TooLarge { .. })) => out.push(Err(e)),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
     /// Extends the lease to `ttl` from the store's now, returning the new deadline. Fenced
     /// like [`Backend::complete`].
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp>;
@@ -154,6 +187,17 @@ pub trait Backend: Send + Sync {
         Err(Error::Unsupported { operation: "list" })
     }
 
+    /// Starts watching `key`: the [`Watch`] wakes when the record may have changed after
+    /// this call (a settle of the key: complete, fail, release, delete), or when its
+    /// timeout passes. Take it before reading the record, then read, then wait: a change
+    /// between the read and the wait still wakes it. A wake is only a hint to read again; a
+    /// lost notification costs the caller one timeout, never a hang. Backends with
+    /// [`Capabilities::notify`] override it; the default never wakes (polling).
+    async fn watch(&self, key: &Key) -> Watch {
+        let _ = key;
+        Watch::poll_only()
+    }
+
     /// What this backend can do.
     fn capabilities(&self) -> Capabilities;
 }
@@ -174,6 +218,12 @@ macro_rules! forward {
             async fn fail(&self, lease: &Lease, error: &str, kind: FailureKind, retention: Duration) -> Result<()> {
                 (**self).fail(lease, error, kind, retention).await
             }
+            async fn release(&self, lease: &Lease) -> Result<()> {
+                (**self).release(lease).await
+            }
+            async fn settle_many(&self, items: &[Settlement], retention: Duration) -> Result<Vec<Result<()>>> {
+                (**self).settle_many(items, retention).await
+            }
             async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
                 (**self).extend(lease, ttl).await
             }
@@ -188,6 +238,9 @@ macro_rules! forward {
             }
             async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
                 (**self).list(filter).await
+            }
+            async fn watch(&self, key: &Key) -> Watch {
+                (**self).watch(key).await
             }
             fn capabilities(&self) -> Capabilities {
                 (**self).capabilities()

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     Backend, Claim, ClaimOutcome, Context, Error, FailureKind, Fingerprint, HandlerError, Key,
-    Lease, Result, Timestamp,
+    Lease, Result, Settle, Settlement, Timestamp,
 };
 
 /// What to do when a claim finds another worker's live lease.
@@ -23,8 +23,12 @@ pub enum WaitPolicy {
     /// Answer [`Outcome::InProgress`] at once (the default; a Kafka loop pauses the
     /// partition instead of blocking).
     Return,
-    /// Ask again every `poll` (sooner if the lease is due to lapse) for up to `max`, then
-    /// answer [`Outcome::InProgress`].
+    /// Wait for the holder to settle, for up to `max`, then answer
+    /// [`Outcome::InProgress`]. On a backend that notifies ([`Backend::watch`],
+    /// [`Capabilities::notify`](crate::Capabilities::notify)) the claim is asked again as
+    /// soon as the key is settled, and every `poll` in case a notification was lost; on
+    /// one that does not, it polls, backing off from `poll / 4` up to `poll`. Either way it
+    /// asks again when the holder's lease is due to lapse.
     Wait {
         /// The longest pause between two claims.
         poll: Duration,
@@ -67,6 +71,20 @@ pub enum Outcome<T = Bytes> {
     /// This worker lost its lease while the handler ran (a takeover happened); its result
     /// was not stored. The side effect may have happened: see the token.
     Fenced,
+    /// The lease was handed back unrun ([`Settle::Release`]): the attempt was taken back
+    /// and the next claim runs the handler.
+    Released,
+}
+
+/// What running one handler under its lease came to. Nothing is written yet: the caller
+/// settles it, alone or with a batch, through [`Engine::settle_batch`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ran {
+    /// Write this: the handler's response, or its failure (a panic and a response over
+    /// the backend's limit are failures too).
+    Settle(Settle),
+    /// The lease was lost while the handler ran (a heartbeat was fenced): write nothing.
+    Fenced,
 }
 
 impl<T> Outcome<T> {
@@ -82,6 +100,7 @@ impl<T> Outcome<T> {
             Outcome::Poisoned { attempts, error } => Outcome::Poisoned { attempts, error },
             Outcome::Mismatch => Outcome::Mismatch,
             Outcome::Fenced => Outcome::Fenced,
+            Outcome::Released => Outcome::Released,
         })
     }
 
@@ -258,6 +277,36 @@ impl Engine {
         &self.inner.owner
     }
 
+    /// How long a lease lasts without a heartbeat.
+    pub fn lease_ttl(&self) -> Duration {
+        self.inner.lease_ttl
+    }
+
+    /// How often a running handler's lease is extended.
+    pub fn heartbeat(&self) -> Duration {
+        self.inner.heartbeat
+    }
+
+    /// How long completed and failed records are kept.
+    pub fn retention(&self) -> Duration {
+        self.inner.retention
+    }
+
+    /// How many times a key's handler may run before the key is poisoned.
+    pub fn max_attempts(&self) -> u32 {
+        self.inner.max_attempts
+    }
+
+    /// What to do when a claim finds another worker's live lease.
+    pub fn wait_policy(&self) -> WaitPolicy {
+        self.inner.wait
+    }
+
+    /// Whether claims carry the payload's fingerprint.
+    pub fn fingerprint(&self) -> bool {
+        self.inner.fingerprint
+    }
+
     /// The claim request this engine makes for `key` and `payload`.
     pub fn claim_for(&self, key: &Key, payload: &[u8]) -> Claim {
         let i = &self.inner;
@@ -315,16 +364,32 @@ impl Engine {
         })
     }
 
-    /// Acts on a claim's answer: runs the handler under an acquired lease, or turns any
-    /// other answer into its [`Outcome`]. For callers that claim in batches
-    /// ([`Backend::claim_many`]) and settle each answer.
+    /// Acts on a claim's answer: runs the handler under an acquired lease and stores its
+    /// result, or turns any other answer into its [`Outcome`].
     pub async fn settle<F, Fut>(&self, answer: ClaimOutcome, handler: F) -> Result<Outcome>
     where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Result<Bytes, HandlerError>> + Send,
     {
-        Ok(match answer {
-            ClaimOutcome::Acquired(lease) => return self.run(lease, handler).await,
+        let lease = match Self::lease_or_outcome(answer) {
+            Ok(lease) => lease,
+            Err(outcome) => return Ok(outcome),
+        };
+        let settle = match self.run_leased(&lease, handler).await {
+            Ran::Settle(settle) => settle,
+            Ran::Fenced => return Ok(Outcome::Fenced),
+        };
+        let item = Settlement { lease, settle };
+        let mut answers = self.settle_batch(std::slice::from_ref(&item)).await?;
+        answers
+            .pop()
+            .unwrap_or_else(|| Err(Error::corrupt("settle_many answered nothing")))
+    }
+
+    /// The lease of an `Acquired` answer, or the [`Outcome`] any other answer means.
+    pub fn lease_or_outcome(answer: ClaimOutcome) -> std::result::Result<Lease, Outcome> {
+        Err(match answer {
+            ClaimOutcome::Acquired(lease) => return Ok(lease),
             ClaimOutcome::Completed(bytes) => Outcome::Replayed(bytes),
             ClaimOutcome::InProgress { owner, lease_until } => {
                 Outcome::InProgress { owner, lease_until }
@@ -334,13 +399,76 @@ impl Engine {
         })
     }
 
+    /// Claims a batch in one store call ([`Backend::claim_many`]), answering in order.
+    pub async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
+        let answers = self.inner.backend.claim_many(claims).await?;
+        if answers.len() != claims.len() {
+            return Err(Error::corrupt(format!(
+                "claim_many answered {} outcomes for {} claims",
+                answers.len(),
+                claims.len()
+            )));
+        }
+        Ok(answers)
+    }
+
+    /// Settles a batch in one store call ([`Backend::settle_many`]) with this engine's
+    /// retention, answering in order: `Executed` for a stored response, `Failed` or
+    /// `Poisoned` for a stored failure, `Released`, or `Fenced` for a lease no longer held.
+    /// An item the store refuses alone (a response over its limit) is that item's `Err`;
+    /// a store error is the whole call's. Settling again after a store error is safe: what
+    /// landed the first time is then `Fenced`.
+    pub async fn settle_batch(&self, items: &[Settlement]) -> Result<Vec<Result<Outcome>>> {
+        let i = &self.inner;
+        let answers = i.backend.settle_many(items, i.retention).await?;
+        if answers.len() != items.len() {
+            return Err(Error::corrupt(format!(
+                "settle_many answered {} results for {} items",
+                answers.len(),
+                items.len()
+            )));
+        }
+        Ok(items
+            .iter()
+            .zip(answers)
+            .map(|(item, answer)| match answer {
+                Ok(()) => Ok(self.settled(item)),
+                Err(e) if e.is_fenced() => Ok(Outcome::Fenced),
+                Err(e) => Err(e),
+            })
+            .collect())
+    }
+
+    fn settled(&self, item: &Settlement) -> Outcome {
+        match &item.settle {
+            Settle::Complete(response) => Outcome::Executed(response.clone()),
+            Settle::Fail { error, kind } => Outcome::after_failure(
+                item.lease.attempts,
+                self.inner.max_attempts,
+                *kind,
+                error.clone(),
+            ),
+            Settle::Release => Outcome::Released,
+        }
+    }
+
     async fn claim_waiting(&self, claim: &Claim) -> Result<ClaimOutcome> {
+        let backend = &self.inner.backend;
+        let WaitPolicy::Wait { poll, max } = self.inner.wait else {
+            return backend.claim(claim).await;
+        };
         let start = tokio::time::Instant::now();
+        // Watch before the first read: a settle between the read and the wait still wakes.
+        // A backend slow to subscribe (its first connect) gets no more than `max`.
+        let mut watch = tokio::time::timeout(max, backend.watch(&claim.key))
+            .await
+            .unwrap_or_default();
+        // Woken by the store, a wait lasts `poll` (the re-read that covers a lost
+        // notification); polling, it starts at a quarter of `poll` and doubles up to it.
+        let mut pause = if watch.is_notified() { poll } else { poll / 4 };
         loop {
-            let answer = self.inner.backend.claim(claim).await?;
-            let (WaitPolicy::Wait { poll, max }, ClaimOutcome::InProgress { lease_until, .. }) =
-                (self.inner.wait, &answer)
-            else {
+            let answer = backend.claim(claim).await?;
+            let ClaimOutcome::InProgress { lease_until, .. } = &answer else {
                 return Ok(answer);
             };
             let waited = start.elapsed();
@@ -348,17 +476,29 @@ impl Engine {
                 return Ok(answer);
             }
             let until_lapse = lease_until.since(Timestamp::now()) + Duration::from_millis(1);
-            tokio::time::sleep(poll.min(until_lapse).min(max - waited)).await;
+            let wait = pause.max(Duration::from_millis(1)).min(poll);
+            watch.changed(wait.min(until_lapse).min(max - waited)).await;
+            pause = pause.saturating_mul(2);
         }
     }
 
-    /// Runs `handler` under `lease`, heartbeating, then completes or fails the record.
-    async fn run<F, Fut>(&self, lease: Lease, handler: F) -> Result<Outcome>
+    /// Runs `handler` under `lease`, extending the lease every heartbeat while it runs, and
+    /// says what to write; writes nothing itself. A lease that waited in its batch for more
+    /// than half its time is renewed first. A panic is a retryable failure; a response
+    /// over the backend's limit a permanent one.
+    pub async fn run_leased<F, Fut>(&self, lease: &Lease, handler: F) -> Ran
     where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Result<Bytes, HandlerError>> + Send,
     {
         let i = &self.inner;
+        if lease.lease_until.since(Timestamp::now()) < i.lease_ttl / 2 {
+            match i.backend.extend(lease, i.lease_ttl).await {
+                Ok(_) => {}
+                Err(e) if e.is_fenced() => return Ran::Fenced,
+                Err(e) => tracing::warn!(key = %lease.key, error = %e, "lease renewal failed"),
+            }
+        }
         let signal = CancellationToken::new();
         let work = AssertUnwindSafe(handler(Context::new(lease.clone(), signal.clone())));
         let work = work.catch_unwind();
@@ -383,55 +523,33 @@ impl Engine {
                             }
                         },
                         _ = ticks.tick(), if extending.is_terminated() && !signal.is_cancelled() => {
-                            extending = i.backend.extend(&lease, i.lease_ttl).fuse();
+                            extending = i.backend.extend(lease, i.lease_ttl).fuse();
                         }
                     }
                 }
             }
         };
         if signal.is_cancelled() {
-            return Ok(Outcome::Fenced);
+            return Ran::Fenced;
         }
         let failure = match result {
             Ok(Ok(response)) => {
                 let limit = i.backend.capabilities().max_response_bytes;
                 if response.len() <= limit {
-                    return match i
-                        .backend
-                        .complete(&lease, response.clone(), i.retention)
-                        .await
-                    {
-                        Ok(()) => Ok(Outcome::Executed(response)),
-                        Err(e) if e.is_fenced() => Ok(Outcome::Fenced),
-                        Err(e) => Err(e),
-                    };
+                    return Ran::Settle(Settle::Complete(response));
                 }
-                let too_large = Error::TooLarge {
+                HandlerError::permanent(Error::TooLarge {
                     what: "response",
                     size: response.len(),
                     limit,
-                };
-                HandlerError::permanent(too_large)
+                })
             }
             Ok(Err(e)) => e,
             Err(panic) => HandlerError::panicked(panic.as_ref()),
         };
-        let kind = failure.kind();
-        match i
-            .backend
-            .fail(&lease, failure.message(), kind, i.retention)
-            .await
-        {
-            Ok(()) => {}
-            Err(e) if e.is_fenced() => return Ok(Outcome::Fenced),
-            Err(e) => return Err(e),
-        }
-        let error = failure.message().to_owned();
-        Ok(Outcome::after_failure(
-            lease.attempts,
-            i.max_attempts,
-            kind,
-            error,
-        ))
+        Ran::Settle(Settle::Fail {
+            kind: failure.kind(),
+            error: failure.into_message(),
+        })
     }
 }

@@ -94,6 +94,11 @@ impl HandlerError {
         &self.message
     }
 
+    /// The error text, owned.
+    pub fn into_message(self) -> String {
+        self.message
+    }
+
     /// Retry or permanent.
     pub fn kind(&self) -> FailureKind {
         self.kind

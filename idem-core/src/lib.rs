@@ -12,15 +12,22 @@ pub mod machine;
 mod memory;
 mod model;
 mod record;
+mod transactional;
+pub mod watch;
 
 pub use backend::{Backend, Capabilities, ListFilter};
-pub use engine::{Engine, EngineBuilder, Outcome, WaitPolicy};
+pub use engine::{Engine, EngineBuilder, Outcome, Ran, WaitPolicy};
 pub use error::{BoxError, Error, Result};
 pub use handler::{Context, HandlerError};
 pub use key::{Fingerprint, Key, MAX_ID_BYTES, MAX_NAMESPACE_BYTES};
 pub use memory::MemoryBackend;
 pub use model::Model;
-pub use record::{Claim, ClaimKind, ClaimOutcome, FailureKind, Lease, Record, State, Timestamp};
+pub use record::{
+    Claim, ClaimKind, ClaimOutcome, FailureKind, Lease, Record, Settle, Settlement, State,
+    Timestamp,
+};
+pub use transactional::{OffsetPosition, StoredOffset, Transactional, TxFuture};
+pub use watch::Watch;
 
 pub use async_trait::async_trait;
 pub use bytes::Bytes;

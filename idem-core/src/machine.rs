@@ -1,4 +1,4 @@
-//! The state machine of DESIGN.md as pure functions: given the record a store holds (or
+//! The state machine of CONTRACT.md as pure functions: given the record a store holds (or
 //! none), a request and the deciding clock's `now`, they return the answer and the record
 //! to store. The in-memory backend and the [`Model`](crate::Model) apply them as they are;
 //! the other backends implement the same table in their store's language (Lua, SQL,
@@ -158,6 +158,44 @@ pub fn fail(
     })
 }
 
+/// The record after `release`, or `None` if the lease is fenced: the attempt is taken
+/// back and the lease lapses at `now`, so the next claim takes the key over at once. The
+/// token stays: tokens never go down. Unlike `complete`, a release needs a live lease: a
+/// lease that lapsed (or was released already) has no attempt left to give back, so a
+/// second release is fenced and cannot take back a second attempt.
+pub fn release(current: Option<&Record>, lease: &Lease, now: Timestamp) -> Option<Record> {
+    let rec = current
+        .filter(|r| holds(current, lease, now) && lease_is_live(r, now) && r.attempts > 0)?;
+    let keep = match (rec.expires_at, rec.lease_until) {
+        (Some(at), Some(until)) => at.since(until),
+        _ => Duration::ZERO,
+    };
+    Some(Record {
+        attempts: rec.attempts - 1,
+        lease_until: Some(now),
+        expires_at: Some(now.saturating_add(keep)),
+        ..rec.clone()
+    })
+}
+
+/// The record after `settle` of `lease`, or `None` if the lease is fenced. A response
+/// over `max_response_bytes` is not this function's business: callers check it first.
+pub fn settle(
+    current: Option<&Record>,
+    lease: &Lease,
+    settle: &crate::Settle,
+    retention: Duration,
+    now: Timestamp,
+) -> Option<Record> {
+    match settle {
+        crate::Settle::Complete(response) => {
+            complete(current, lease, response.clone(), retention, now)
+        }
+        crate::Settle::Fail { error, kind } => fail(current, lease, error, *kind, retention, now),
+        crate::Settle::Release => release(current, lease, now),
+    }
+}
+
 /// The record after `extend` (lease until `now + ttl`, expiry moved by as much), or `None`
 /// if the lease is fenced.
 pub fn extend(
@@ -224,6 +262,33 @@ mod tests {
             }
         );
         assert_eq!(rec.map(|r| r.state), Some(State::Failed));
+    }
+
+    #[test]
+    fn release_takes_the_attempt_back_and_lapses_the_lease_now() {
+        let t0 = Timestamp::from_millis(1_000);
+        let (out, rec) = claim(None, &req("a"), t0);
+        let lease = lease_of(out);
+        let t1 = t0.saturating_add(Duration::from_secs(1));
+        let rec = release(rec.as_ref(), &lease, t1).unwrap();
+        assert_eq!((rec.attempts, rec.token), (0, 1));
+        assert_eq!(rec.lease_until, Some(t1));
+        assert_eq!(
+            rec.expires_at,
+            Some(t1.saturating_add(Duration::from_secs(100)))
+        );
+        assert!(
+            release(Some(&rec), &lease, t1).is_none(),
+            "a second release is fenced"
+        );
+        let (out, _) = claim(Some(&rec), &req("b"), t1);
+        let next = lease_of(out);
+        assert_eq!((next.token, next.attempts), (2, 1));
+        let stranger = Lease {
+            owner: "b".into(),
+            ..lease
+        };
+        assert!(release(Some(&rec), &stranger, t1).is_none());
     }
 
     #[test]

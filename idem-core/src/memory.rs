@@ -1,8 +1,8 @@
-//! The in-memory backend: the reference model of DESIGN.md behind a sharded map, safe
+//! The in-memory backend: the reference model of CONTRACT.md behind a sharded map, safe
 //! under real concurrency, and the embedded default.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -10,12 +10,17 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::clock::{Clock, SystemClock};
+use crate::watch::{self, Watchers};
 use crate::{
     Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Timestamp, machine,
+    Result, Settle, Settlement, Timestamp, Watch, machine,
 };
 
-type Shard = Mutex<HashMap<Key, Record>>;
+/// A fast, randomly seeded hash: keys come from outside, so the seed guards against
+/// collision floods, and SipHash's extra strength costs more than the rest of a claim.
+type Hasher = foldhash::fast::RandomState;
+
+type Shard = Mutex<HashMap<Key, Record, Hasher>>;
 
 /// Records in process memory, lost when the process ends.
 ///
@@ -24,9 +29,11 @@ type Shard = Mutex<HashMap<Key, Record>>;
 #[derive(Debug, Clone)]
 pub struct MemoryBackend {
     shards: Arc<[Shard]>,
-    hasher: RandomState,
+    hasher: Hasher,
     clock: Arc<dyn Clock>,
     max_response_bytes: usize,
+    /// Waiters on keys, woken by every settle and delete.
+    watchers: Arc<Watchers>,
 }
 
 impl Default for MemoryBackend {
@@ -43,12 +50,16 @@ impl MemoryBackend {
 
     /// An empty backend reading time from `clock`.
     pub fn with_clock(clock: impl Clock) -> Self {
-        let shards: Vec<Shard> = (0..64).map(|_| Mutex::new(HashMap::new())).collect();
+        let hasher = Hasher::default();
+        let shards: Vec<Shard> = (0..64)
+            .map(|_| Mutex::new(HashMap::with_hasher(hasher.clone())))
+            .collect();
         MemoryBackend {
             shards: shards.into(),
-            hasher: RandomState::new(),
+            hasher,
             clock: Arc::new(clock),
             max_response_bytes: Capabilities::default().max_response_bytes,
+            watchers: Watchers::new(),
         }
     }
 
@@ -77,7 +88,7 @@ impl MemoryBackend {
         self.len() == 0
     }
 
-    fn shard(&self, key: &Key) -> MutexGuard<'_, HashMap<Key, Record>> {
+    fn shard(&self, key: &Key) -> MutexGuard<'_, HashMap<Key, Record, Hasher>> {
         let n = self.shards.len() as u64;
         let i = usize::try_from(self.hasher.hash_one(key) % n).unwrap_or(0);
         lock(&self.shards[i])
@@ -102,6 +113,31 @@ impl MemoryBackend {
         Ok(slot.lease_until)
     }
 
+    /// Wakes the waiters on `key` after a settle answered `Ok`.
+    fn settled<T>(&self, key: &Key, res: Result<T>) -> Result<()> {
+        if res.is_ok() {
+            self.wake(key);
+        }
+        res.map(drop)
+    }
+
+    fn wake(&self, key: &Key) {
+        if !self.watchers.is_idle() {
+            self.watchers.notify(&watch::topic(key));
+        }
+    }
+
+    fn check_size(&self, response: &Bytes) -> Result<()> {
+        if response.len() > self.max_response_bytes {
+            return Err(Error::TooLarge {
+                what: "response",
+                size: response.len(),
+                limit: self.max_response_bytes,
+            });
+        }
+        Ok(())
+    }
+
     /// Claims under the shard's lock: the transition, and its write if any.
     fn claim_now(&self, claim: &Claim) -> ClaimOutcome {
         let now = self.clock.now();
@@ -116,7 +152,7 @@ impl MemoryBackend {
 
 /// A poisoned lock only means another thread panicked while holding it; every write
 /// under it is a single `insert`, so the map is still whole.
-fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Record>> {
+fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Record, Hasher>> {
     shard.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -132,17 +168,11 @@ impl Backend for MemoryBackend {
     }
 
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        if response.len() > self.max_response_bytes {
-            return Err(Error::TooLarge {
-                what: "response",
-                size: response.len(),
-                limit: self.max_response_bytes,
-            });
-        }
-        self.update(lease, |cur, now| {
+        self.check_size(&response)?;
+        let res = self.update(lease, |cur, now| {
             machine::complete(cur, lease, response, retention, now)
-        })
-        .map(drop)
+        });
+        self.settled(&lease.key, res)
     }
 
     async fn fail(
@@ -152,10 +182,35 @@ impl Backend for MemoryBackend {
         kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        self.update(lease, |cur, now| {
+        let res = self.update(lease, |cur, now| {
             machine::fail(cur, lease, error, kind, retention, now)
-        })
-        .map(drop)
+        });
+        self.settled(&lease.key, res)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        let res = self.update(lease, |cur, now| machine::release(cur, lease, now));
+        self.settled(&lease.key, res)
+    }
+
+    /// In turn, as separate calls would, without a future per item.
+    async fn settle_many(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        Ok(items
+            .iter()
+            .map(|item| {
+                if let Settle::Complete(response) = &item.settle {
+                    self.check_size(response)?;
+                }
+                let res = self.update(&item.lease, |cur, now| {
+                    machine::settle(cur, &item.lease, &item.settle, retention, now)
+                });
+                self.settled(&item.lease.key, res)
+            })
+            .collect())
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
@@ -175,6 +230,7 @@ impl Backend for MemoryBackend {
     async fn delete(&self, key: &Key) -> Result<bool> {
         let now = self.clock.now();
         let removed = self.shard(key).remove(key);
+        self.wake(key);
         Ok(removed.is_some_and(|r| machine::is_live(&r, now)))
     }
 
@@ -213,9 +269,14 @@ impl Backend for MemoryBackend {
         Ok(out)
     }
 
+    async fn watch(&self, key: &Key) -> Watch {
+        self.watchers.subscribe(watch::topic(key))
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
             .with_max_response_bytes(self.max_response_bytes)
             .with_list(true)
+            .with_notify(true)
     }
 }

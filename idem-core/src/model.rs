@@ -69,6 +69,20 @@ impl Model {
         self.put(next)
     }
 
+    /// [`Backend::release`](crate::Backend::release); `false` when fenced.
+    pub fn release(&mut self, lease: &Lease) -> bool {
+        let next = machine::release(self.records.get(&lease.key), lease, self.now);
+        self.put(next)
+    }
+
+    /// One item of [`Backend::settle_many`](crate::Backend::settle_many); `false` when
+    /// fenced.
+    pub fn settle(&mut self, item: &crate::Settlement, retention: Duration) -> bool {
+        let cur = self.records.get(&item.lease.key);
+        let next = machine::settle(cur, &item.lease, &item.settle, retention, self.now);
+        self.put(next)
+    }
+
     /// [`Backend::extend`](crate::Backend::extend); `false` when fenced.
     pub fn extend(&mut self, lease: &Lease, ttl: Duration) -> bool {
         let next = machine::extend(self.records.get(&lease.key), lease, ttl, self.now);

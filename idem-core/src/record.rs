@@ -89,7 +89,7 @@ impl State {
     }
 }
 
-/// One record per key, as DESIGN.md describes it.
+/// One record per key, as CONTRACT.md describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Record {
     /// The key.
@@ -116,7 +116,7 @@ pub struct Record {
     pub expires_at: Option<Timestamp>,
 }
 
-/// A claim request: `claim(key, owner, lease_ttl, fingerprint, max_attempts)` of DESIGN.md,
+/// A claim request: `claim(key, owner, lease_ttl, fingerprint, max_attempts)` of CONTRACT.md,
 /// plus the retention a record keeps when this claim finds its lease lapsed for good.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Claim {
@@ -186,6 +186,63 @@ pub enum ClaimOutcome {
     },
     /// The key exists with another payload fingerprint; the record was not touched.
     Mismatch,
+}
+
+/// How one lease of a batch is settled: what [`Backend::complete`](crate::Backend::complete),
+/// [`Backend::fail`](crate::Backend::fail) or [`Backend::release`](crate::Backend::release)
+/// would do for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// `Completed` with this response.
+    Complete(Bytes),
+    /// `Failed` with this error text, retryable or permanent.
+    Fail {
+        /// The error text stored in the record.
+        error: String,
+        /// Retry or permanent.
+        kind: FailureKind,
+    },
+    /// Handed back unrun: the attempt is taken back and the lease lapses now.
+    Release,
+}
+
+/// One item of [`Backend::settle_many`](crate::Backend::settle_many): a lease and what
+/// becomes of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settlement {
+    /// The lease the handler ran (or would have run) under.
+    pub lease: Lease,
+    /// What to write.
+    pub settle: Settle,
+}
+
+impl Settlement {
+    /// `lease` completed with `response`.
+    pub fn complete(lease: Lease, response: Bytes) -> Self {
+        Settlement {
+            lease,
+            settle: Settle::Complete(response),
+        }
+    }
+
+    /// `lease` failed with `error`.
+    pub fn fail(lease: Lease, error: impl Into<String>, kind: FailureKind) -> Self {
+        Settlement {
+            lease,
+            settle: Settle::Fail {
+                error: error.into(),
+                kind,
+            },
+        }
+    }
+
+    /// `lease` handed back unrun.
+    pub fn release(lease: Lease) -> Self {
+        Settlement {
+            lease,
+            settle: Settle::Release,
+        }
+    }
 }
 
 /// Whether a failed attempt may be retried.
