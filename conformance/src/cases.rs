@@ -1,5 +1,5 @@
 //! The conformance cases. Each takes a [`Factory`] and panics on a broken guarantee.
-//! The invariant each case proves is named in its doc, numbered as in DESIGN.md.
+//! The invariant each case proves is named in its doc, numbered as in CONTRACT.md.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -13,6 +13,11 @@ use idem_core::{
 };
 
 use crate::Factory;
+pub use crate::batch::{release_hands_back, settle_many_agrees};
+pub use crate::failures::{closed_port, corrupt_record, oversized_response, silent_server};
+pub use crate::waiting::{
+    wait_max_elapses, wait_survives_lost_notification, wait_wakes_on_complete,
+};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
@@ -20,6 +25,9 @@ fn in_progress_by(answer: &ClaimOutcome, owner: &str) -> bool {
     matches!(answer, ClaimOutcome::InProgress { owner: o, .. } if o == owner)
 }
 
+/// Panics unless `res` is `Fenced`. The panic names the caller's line, so a mutation run
+/// can tell which check failed.
+#[track_caller]
 fn assert_fenced<T: std::fmt::Debug>(what: &str, res: Result<T, Error>) {
     assert!(
         matches!(res, Err(Error::Fenced { .. })),
@@ -193,6 +201,43 @@ pub async fn fencing_foreign_lease<F: Factory>(f: &F) {
     assert_eq!((rec.state, rec.owner.as_str()), (State::Processing, "a"));
 }
 
+/// Invariant 2 inside one process: the engine gives every lease of a process the same
+/// owner, so when a lease lapses and the same owner claims the key again (a stalled task, a
+/// partition revoked and assigned back), only the token fences the stale lease. Its
+/// complete, fail, extend and release are `Fenced` and leave the record as it was; the new
+/// lease still completes.
+pub async fn fencing_same_owner<F: Factory>(f: &F) {
+    let fx = f.setup().await;
+    let b = &fx.backend;
+    let key = fx.key("same-owner");
+    let old = fx.acquire(&fx.claim(&key, "a")).await;
+    fx.lapse().await;
+    let new = fx.acquire(&fx.claim(&key, "a")).await;
+    assert_eq!(
+        (new.token, new.attempts, new.kind),
+        (old.token + 1, 2, ClaimKind::Takeover)
+    );
+    let before = b.get(&key).await.expect("get");
+    let stale = Bytes::from_static(b"stale");
+    assert_fenced("old complete", b.complete(&old, stale, HOUR).await);
+    assert_fenced(
+        "old fail",
+        b.fail(&old, "x", FailureKind::Permanent, HOUR).await,
+    );
+    assert_fenced("old extend", b.extend(&old, fx.lease).await);
+    assert_fenced("old release", b.release(&old).await);
+    let after = b.get(&key).await.expect("get");
+    assert_eq!(
+        after, before,
+        "the old lease's fenced calls changed the record"
+    );
+    b.complete(&new, Bytes::from_static(b"new"), HOUR)
+        .await
+        .expect("the new lease completes");
+    let answer = b.claim(&fx.claim(&key, "a")).await.expect("claim");
+    assert_eq!(answer, ClaimOutcome::Completed(Bytes::from_static(b"new")));
+}
+
 /// Invariant 3: of many racing workers, exactly one `complete` succeeds and every later
 /// claim replays its response byte for byte.
 pub async fn one_winner_replay<F: Factory>(f: &F) {
@@ -243,7 +288,7 @@ pub async fn one_winner_replay<F: Factory>(f: &F) {
     assert_eq!(&seen[0][..2], &[0xff, 0x00]);
 }
 
-/// DESIGN.md: a late `complete` whose lease lapsed but that nobody took over succeeds; the
+/// CONTRACT.md: a late `complete` whose lease lapsed but that nobody took over succeeds; the
 /// token fences, not the clock.
 pub async fn late_complete_without_takeover<F: Factory>(f: &F) {
     let fx = f.setup().await;
@@ -402,7 +447,8 @@ pub async fn permanent_failure_poisons<F: Factory>(f: &F) {
 }
 
 /// Invariant 7: another payload under an existing key is `Mismatch` and touches nothing, in
-/// every state; the same payload, or none, gets the ordinary answer.
+/// every state (live, completed, failed with attempts left, lapsed); the same payload, or
+/// none, gets the ordinary answer.
 pub async fn fingerprint_mismatch<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let key = fx.key("fp");
@@ -441,6 +487,30 @@ pub async fn fingerprint_mismatch<F: Factory>(f: &F) {
     let replay = ClaimOutcome::Completed(Bytes::from_static(b"ok"));
     assert_eq!(fx.backend.claim(&same).await.expect("claim"), replay);
     assert_eq!(fx.backend.claim(&unchecked).await.expect("claim"), replay);
+    mismatch_where_claimable(&fx).await;
+}
+
+/// Invariant 7 on records a claim could take: another payload is `Mismatch` before any
+/// state is considered, for a retryable failure and for a lapsed lease alike.
+async fn mismatch_where_claimable<B: Backend>(fx: &crate::Fixture<B>) {
+    let b = &fx.backend;
+    let (failed, lapsed) = (fx.key("fp-failed"), fx.key("fp-lapsed"));
+    let l = fx.acquire(&fx.claim(&failed, "a")).await;
+    b.fail(&l, "again", FailureKind::Retry, HOUR)
+        .await
+        .expect("fail");
+    fx.acquire(&fx.claim(&lapsed, "a")).await;
+    fx.lapse().await;
+    for key in [&failed, &lapsed] {
+        let other = idem_core::Claim {
+            fingerprint: Some(Fingerprint::of(b"other payload")),
+            ..fx.claim(key, "b")
+        };
+        let before = b.get(key).await.expect("get");
+        let answer = b.claim(&other).await.expect("claim");
+        assert_eq!(answer, ClaimOutcome::Mismatch, "{}", key.id());
+        assert_eq!(b.get(key).await.expect("get"), before, "{}", key.id());
+    }
 }
 
 /// Invariant 8: `extend` keeps a lease past its first deadline; after a takeover it is

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use idem_core::watch::Watchers;
 use idem_core::{
     Backend, Bytes, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter,
-    Record, Result, Timestamp, async_trait,
+    Record, Result, Settle, Settlement, Timestamp, Watch, async_trait,
 };
 
 /// Which calls a [`Faulty`] backend refuses.
@@ -17,14 +18,17 @@ use idem_core::{
 pub enum Fault {
     /// `claim` and `claim_many`.
     Claim = 1,
-    /// `complete`.
+    /// `complete`, and `settle_many` of a batch with a complete in it.
     Complete = 2,
-    /// `fail`.
+    /// `fail` and `release`, and `settle_many` of a batch with either in it.
     Fail = 4,
     /// `extend`.
     Extend = 8,
     /// `get`, `delete`, `purge_expired` and `list`.
     Read = 16,
+    /// Notifications: `watch` gives a watch nothing wakes (every notification lost), while
+    /// the capabilities still say the backend notifies.
+    Notify = 32,
 }
 
 /// Wraps a backend; calls of the kinds switched on answer [`Error::Unavailable`] without
@@ -33,6 +37,8 @@ pub enum Fault {
 pub struct Faulty<B> {
     inner: B,
     on: Arc<AtomicU32>,
+    /// The hub of the watches nothing wakes.
+    silent: Arc<Watchers>,
 }
 
 impl<B: Backend> Faulty<B> {
@@ -41,6 +47,7 @@ impl<B: Backend> Faulty<B> {
         Faulty {
             inner,
             on: Arc::new(AtomicU32::new(0)),
+            silent: Watchers::new(),
         }
     }
 
@@ -64,8 +71,12 @@ impl<B: Backend> Faulty<B> {
         &self.inner
     }
 
+    fn is_on(&self, fault: Fault) -> bool {
+        self.on.load(Ordering::SeqCst) & fault as u32 != 0
+    }
+
     fn check(&self, fault: Fault) -> Result<()> {
-        if self.on.load(Ordering::SeqCst) & fault as u32 != 0 {
+        if self.is_on(fault) {
             return Err(Error::Unavailable {
                 message: format!("injected fault on {fault:?}"),
                 source: None,
@@ -99,6 +110,24 @@ impl<B: Backend> Backend for Faulty<B> {
         self.check(Fault::Fail)?;
         self.inner.fail(lease, error, kind, retention).await
     }
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.check(Fault::Fail)?;
+        self.inner.release(lease).await
+    }
+    /// Fails the whole batch if any of its kinds of write is faulted.
+    async fn settle_many(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        for item in items {
+            self.check(match item.settle {
+                Settle::Complete(_) => Fault::Complete,
+                Settle::Fail { .. } | Settle::Release => Fault::Fail,
+            })?;
+        }
+        self.inner.settle_many(items, retention).await
+    }
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
         self.check(Fault::Extend)?;
         self.inner.extend(lease, ttl).await
@@ -118,6 +147,12 @@ impl<B: Backend> Backend for Faulty<B> {
     async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
         self.check(Fault::Read)?;
         self.inner.list(filter).await
+    }
+    async fn watch(&self, key: &Key) -> Watch {
+        if self.is_on(Fault::Notify) {
+            return self.silent.subscribe(String::new());
+        }
+        self.inner.watch(key).await
     }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()

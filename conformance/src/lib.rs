@@ -2,16 +2,22 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod batch;
 pub mod cases;
+mod counting;
+mod failures;
 mod faulty;
 mod property;
+mod waiting;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use idem_core::clock::ManualClock;
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Lease};
+use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Lease, Result};
 
+pub use counting::Counting;
 pub use faulty::{Fault, Faulty};
 pub use property::model_agreement;
 
@@ -149,6 +155,44 @@ pub trait Factory: Send + Sync {
     /// A fresh fixture. A factory whose service is not configured panics with a message
     /// naming the command that starts it.
     fn setup(&self) -> impl Future<Output = Fixture<Self::Backend>> + Send;
+
+    /// A fresh fixture whose backend is configured to refuse responses over `limit` bytes,
+    /// or `None` if the backend's limit cannot be configured (the `oversized_response`
+    /// case then uses its own limit).
+    fn setup_with_response_limit(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Option<Fixture<Self::Backend>>> + Send {
+        let _ = limit;
+        std::future::ready(None)
+    }
+}
+
+/// What a factory for a backend that talks to a server adds, for the failure cases of
+/// [`remote_suite!`]: how to point the backend at a dead or silent endpoint, and how to
+/// plant a record idem did not write. A backend with no server (memory) has neither, and
+/// does not run those cases.
+pub trait Remote: Factory {
+    /// The backend configured for a server at `addr` (loopback, where nothing listens, or
+    /// where a server accepts and never answers), with the timeouts whose bound
+    /// [`Remote::unavailable_within`] gives. A backend that connects at once answers that
+    /// connect here; the cases accept `Unavailable` from it as the answer.
+    fn connect_to(&self, addr: SocketAddr) -> impl Future<Output = Result<Self::Backend>> + Send;
+
+    /// The longest a call (or the connect) against a dead or silent endpoint may take
+    /// before it answers `Unavailable`: the configured timeouts, the client's own retries,
+    /// and slack for a loaded machine.
+    fn unavailable_within(&self) -> Duration;
+
+    /// Writes, where `fixture`'s backend keeps `key`'s record, the `kind`th sort of value
+    /// idem never writes (numbered from 0), and says what it is; `None` once `kind` is past
+    /// the last sort the factory knows (there must be at least one).
+    fn plant_corrupt(
+        &self,
+        fixture: &Fixture<Self::Backend>,
+        key: &Key,
+        kind: usize,
+    ) -> impl Future<Output = Option<String>> + Send;
 }
 
 /// Expands to one `#[tokio::test]` per conformance case, each calling the case with the
@@ -184,6 +228,7 @@ macro_rules! suite {
             claim_race,
             fencing_after_takeover,
             fencing_foreign_lease,
+            fencing_same_owner,
             one_winner_replay,
             late_complete_without_takeover,
             tokens_monotonic,
@@ -196,10 +241,16 @@ macro_rules! suite {
             retention_expiry,
             delete_and_get,
             claim_many_agrees,
+            settle_many_agrees,
+            release_hands_back,
             response_bytes_round_trip,
             engine_executes_once,
             list_records,
+            oversized_response,
             model_agreement,
+            wait_wakes_on_complete,
+            wait_survives_lost_notification,
+            wait_max_elapses,
         );
     };
     (@cases $factory:expr; $($case:ident),* $(,)?) => {
@@ -209,5 +260,15 @@ macro_rules! suite {
                 $crate::cases::$case(&$factory).await;
             }
         )*
+    };
+}
+
+/// Expands to one `#[tokio::test]` per failure case of a backend that talks to a server
+/// (closed port, silent server, corrupt record), each calling the case with `$factory`, a
+/// [`Remote`] factory. A backend with a server runs it beside [`suite!`].
+#[macro_export]
+macro_rules! remote_suite {
+    ($factory:expr) => {
+        $crate::suite!(@cases $factory; closed_port, silent_server, corrupt_record);
     };
 }

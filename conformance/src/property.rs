@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::{
     Backend, Claim, ClaimKind, ClaimOutcome, Error, FailureKind, Fingerprint, Key, Lease, Model,
-    Record, State, Timestamp,
+    Record, Settle, Settlement, State, Timestamp,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -42,6 +42,15 @@ enum Op {
         owner: u8,
         key: u8,
     },
+    Release {
+        owner: u8,
+        key: u8,
+    },
+    /// One `settle_many` call: per item an owner, a key and an action (0 complete, 1 fail,
+    /// 2 fail permanently, 3 release).
+    Settle {
+        items: Vec<(u8, u8, u8)>,
+    },
     Get {
         key: u8,
     },
@@ -68,6 +77,9 @@ fn op(advance_weight: u32) -> impl Strategy<Value = Op> {
         2 => (owner.clone(), key.clone(), any::<bool>())
             .prop_map(|(owner, key, permanent)| Op::Fail { owner, key, permanent }),
         2 => (owner.clone(), key.clone()).prop_map(|(owner, key)| Op::Extend { owner, key }),
+        1 => (owner.clone(), key.clone()).prop_map(|(owner, key)| Op::Release { owner, key }),
+        3 => proptest::collection::vec((owner.clone(), key.clone(), 0u8..4), 1..5)
+            .prop_map(|items| Op::Settle { items }),
         1 => key.clone().prop_map(|key| Op::Get { key }),
         1 => key.prop_map(|key| Op::Delete { key }),
         advance_weight => (1u8..7).prop_map(|quarters| Op::Advance { quarters }),
@@ -94,6 +106,7 @@ enum Answer {
     Mismatch,
     Done,
     Fenced,
+    Settled(Vec<Answer>),
     Record(Option<Seen>),
     Deleted(bool),
 }
@@ -254,6 +267,56 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                 let got = fenced(fx.backend.extend(&held, lease).await)?;
                 let held = model_leases.get(owner, k, key);
                 (got, done(model.extend(&held, lease)))
+            }
+            Op::Release { owner, key } => {
+                let k = &keys[key as usize];
+                let held = real_leases.get(owner, k, key);
+                let got = fenced(fx.backend.release(&held).await)?;
+                let held = model_leases.get(owner, k, key);
+                (got, done(model.release(&held)))
+            }
+            Op::Settle { ref items } => {
+                let batch = |leases: &Leases| -> Vec<Settlement> {
+                    items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &(owner, key, action))| {
+                            let lease = leases.get(owner, &keys[key as usize], key);
+                            let settle = match action {
+                                0 => Settle::Complete(Bytes::from(vec![key, owner, 0xfe])),
+                                1 | 2 => Settle::Fail {
+                                    error: format!("err-{step}-{i}"),
+                                    kind: if action == 1 {
+                                        FailureKind::Retry
+                                    } else {
+                                        FailureKind::Permanent
+                                    },
+                                },
+                                _ => Settle::Release,
+                            };
+                            Settlement { lease, settle }
+                        })
+                        .collect()
+                };
+                let answers = store(
+                    fx.backend
+                        .settle_many(&batch(&real_leases), RETENTION)
+                        .await,
+                )?;
+                prop_assert_eq!(
+                    answers.len(),
+                    items.len(),
+                    "settle_many answered a different count"
+                );
+                let got = answers
+                    .into_iter()
+                    .map(fenced)
+                    .collect::<Result<Vec<_>, _>>()?;
+                let want = batch(&model_leases)
+                    .iter()
+                    .map(|item| done(model.settle(item, RETENTION)))
+                    .collect();
+                (Answer::Settled(got), Answer::Settled(want))
             }
             Op::Get { key } => {
                 let k = &keys[key as usize];

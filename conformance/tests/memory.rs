@@ -21,6 +21,11 @@ impl Factory for Memory {
         let (backend, clock) = fresh();
         Fixture::manual(backend, clock)
     }
+
+    async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<MemoryBackend>> {
+        let (backend, clock) = fresh();
+        Some(Fixture::manual(backend.max_response_bytes(limit), clock))
+    }
 }
 
 /// The backend behind `Arc<dyn Backend>`, as a runtime-picked backend is used.

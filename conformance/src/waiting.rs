@@ -1,0 +1,149 @@
+//! An engine waiting on a key another worker holds ([`WaitPolicy::Wait`]): it returns the
+//! holder's response once it is stored (woken by the store where the backend notifies),
+//! still returns when the notification is lost (by reading again), and answers
+//! `InProgress` once `max` runs out.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use idem_core::clock::Clock;
+use idem_core::{Backend, Engine, Outcome, Timestamp, WaitPolicy};
+
+use crate::{Counting, Factory, Fault, Faulty, Fixture, Time};
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// A manual clock set to the real time: the engine bounds a wait by the holder's lease,
+/// read against the real clock, so the store's clock must agree with it here.
+fn real_time<B>(fx: &Fixture<B>) {
+    if let Time::Manual(clock) = &fx.time {
+        clock.advance(Timestamp::now().since(clock.now()));
+    }
+}
+
+/// What one wait came to, and how long after the holder's complete (if any) returned it
+/// returned (after the waiter was first answered, without a complete).
+struct Waited {
+    outcome: Outcome,
+    after: Duration,
+    /// Whether the backend says it notifies.
+    notify: bool,
+    poll: Duration,
+    max: Duration,
+}
+
+/// Holds a key with the fixture's backend, runs a waiting engine on it with the `poll`
+/// and `max` that `times` gives for the fixture's lease (notifications lost if `deaf`),
+/// and once the waiter has been answered `InProgress` completes the key (if `complete`).
+async fn wait_on<F: Factory>(
+    f: &F,
+    deaf: bool,
+    complete: bool,
+    times: impl Fn(Duration, bool) -> (Duration, Duration),
+) -> Waited {
+    let fx = f.setup().await;
+    real_time(&fx);
+    let notify = fx.backend.capabilities().notify;
+    let (poll, max) = times(fx.lease, notify);
+    let key = fx.key("watched");
+    let holder = fx.acquire(&fx.claim(&key, "holder")).await;
+    let backend = Arc::new(fx.backend);
+    let faulty = Faulty::new(Arc::clone(&backend));
+    faulty.set(Fault::Notify, deaf);
+    let tap = Arc::new(Counting::new(faulty));
+    let engine = Engine::builder(tap.clone())
+        .owner("waiter")
+        .lease_ttl(fx.lease)
+        .wait(WaitPolicy::Wait { poll, max })
+        .build()
+        .expect("engine");
+    let waiter = tokio::spawn(async move {
+        let outcome = engine
+            .execute(&key, b"p", |_| async {
+                Ok(Bytes::from_static(b"the waiter ran"))
+            })
+            .await;
+        (outcome, Instant::now())
+    });
+    tap.claims_answered(1).await;
+    if complete {
+        let response = Bytes::from_static(b"the holder's response");
+        backend
+            .complete(&holder, response, HOUR)
+            .await
+            .expect("complete");
+    }
+    // The store may notify at its commit, before `complete` returns: then `after` is 0.
+    let completed = Instant::now();
+    let (outcome, returned) = waiter.await.expect("waiter task");
+    Waited {
+        outcome: outcome.expect("execute"),
+        after: returned.saturating_duration_since(completed),
+        notify,
+        poll,
+        max,
+    }
+}
+
+/// A waiter blocked on a key in flight returns the holder's response once it is stored;
+/// where the backend notifies, well within half the poll interval (measured from the
+/// return of the complete; the figure is printed).
+pub async fn wait_wakes_on_complete<F: Factory>(f: &F) {
+    let waited = wait_on(f, false, true, |lease, notify| {
+        // Polling, only the answer is checked: a short poll keeps the case quick.
+        let poll = if notify { lease } else { lease / 10 };
+        (poll, 10 * lease)
+    })
+    .await;
+    let (notify, poll) = (waited.notify, waited.poll);
+    eprintln!(
+        "wait_wakes_on_complete: returned {:?} after the complete (notify: {notify}, poll {poll:?})",
+        waited.after
+    );
+    assert_eq!(
+        waited.outcome,
+        Outcome::Replayed(Bytes::from_static(b"the holder's response"))
+    );
+    if notify {
+        assert!(
+            waited.after < poll / 2,
+            "a notified waiter returned {:?} after the complete; poll is {poll:?}",
+            waited.after
+        );
+    }
+}
+
+/// A waiter whose notifications are all lost still returns the holder's response, by
+/// reading the record again at the poll interval.
+pub async fn wait_survives_lost_notification<F: Factory>(f: &F) {
+    let waited = wait_on(f, true, true, |lease, _| {
+        ((lease / 5).min(Duration::from_millis(200)), 2 * lease)
+    })
+    .await;
+    assert_eq!(
+        waited.outcome,
+        Outcome::Replayed(Bytes::from_static(b"the holder's response"))
+    );
+}
+
+/// A waiter on a key whose holder never settles answers `InProgress` once `max` has run
+/// out, before the holder's lease lapses.
+pub async fn wait_max_elapses<F: Factory>(f: &F) {
+    let waited = wait_on(f, false, false, |lease, _| {
+        let max = (lease / 4).min(Duration::from_millis(300));
+        (max / 4, max)
+    })
+    .await;
+    let max = waited.max;
+    assert!(
+        matches!(&waited.outcome, Outcome::InProgress { owner, .. } if owner == "holder"),
+        "expected InProgress by the holder, got {:?}",
+        waited.outcome
+    );
+    assert!(
+        waited.after >= max * 3 / 4,
+        "answered after {:?}, before max ({max:?}) ran out",
+        waited.after
+    );
+}
