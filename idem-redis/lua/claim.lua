@@ -17,14 +17,14 @@ end
 
 local function grant(prev, key, c, kind)
   local until_ms = now + c.ttl
-  local rec = { s = 'p', o = c.owner, t = 1, n = 1, l = until_ms, x = until_ms + c.retention,
+  local rec = { s = 'P', o = c.owner, t = 1, n = 1, l = until_ms, x = until_ms + c.retention,
                 f = c.fp, k = false }
   if prev then
     rec.t = prev.t + 1
     rec.n = prev.n + 1
     rec.f = prev.f
   end
-  save(key, rec)
+  save(key, rec, now)
   recs[key] = rec
   return { 1, rec.t, rec.n, until_ms, kind }
 end
@@ -33,18 +33,18 @@ local function claim(key, c)
   local rec = recs[key]
   if not rec then return grant(nil, key, c, 0) end
   if rec.f ~= nil and c.fp ~= nil and rec.f ~= c.fp then return { 5 } end
-  if rec.s == 'c' then return { 2, rec.r or '' } end
-  if rec.s == 'f' then
+  if rec.s == 'C' then return { 2, rec.r or '' } end
+  if rec.s == 'F' then
     if rec.k or rec.n >= c.max then return { 4, rec.n, rec.e or '' } end
     return grant(rec, key, c, 1)
   end
   if rec.l ~= nil and now < rec.l then return { 3, rec.o, rec.l } end
   if rec.n >= c.max then
-    rec.s = 'f'
+    rec.s = 'F'
     rec.l = nil
     rec.e = 'lease lapsed during attempt ' .. rec.n
     rec.x = now + c.retention
-    save(key, rec)
+    save(key, rec, now)
     return { 4, rec.n, rec.e }
   end
   return grant(rec, key, c, 2)

@@ -1,53 +1,60 @@
-//! [`RedisBackend`]: the state machine in Lua, one script call per operation.
+//! [`RedisBackend`]: connections, slot grouping, and the operations that are one call each.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use idem_core::watch::Feed;
 use idem_core::{
     Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Timestamp,
+    Result, Settlement, Timestamp, Watch,
 };
 use redis::cluster_routing::Slot;
-use redis::{RedisResult, Script, ScriptInvocation, Value};
+use redis::{RedisResult, Script, Value};
 
 use crate::RedisConfig;
 use crate::conn::{Conn, within};
 use crate::error::bad_reply;
 use crate::keys::Layout;
-use crate::record::{decode_outcome, decode_record};
+use crate::record::{decode_record, fence};
+use crate::reply::int;
 
 /// Durations are sent in milliseconds, at most about a century, so that every deadline
 /// stays exact in the scripts' numbers.
 const MAX_MILLIS: u64 = 100 * 365 * 24 * 3600 * 1000;
 
-fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis())
         .unwrap_or(u64::MAX)
         .min(MAX_MILLIS)
 }
 
-/// The scripts, each with `lua/record.lua` in front.
-struct Scripts {
-    claim: Script,
-    complete: Script,
-    fail: Script,
+/// The scripts, each but `get` with `lua/record.lua` and `lua/load.lua` in front.
+pub(crate) struct Scripts {
+    pub(crate) claim: Script,
+    pub(crate) settle: Script,
     extend: Script,
+    get: Script,
 }
 
 impl Scripts {
     fn new() -> Self {
-        let with_record =
-            |body: &str| Script::new(&format!("{}\n{body}", include_str!("../lua/record.lua")));
+        let with_record = |body: &str| {
+            Script::new(&format!(
+                "{}\n{}\n{body}",
+                include_str!("../lua/record.lua"),
+                include_str!("../lua/load.lua")
+            ))
+        };
         Scripts {
             claim: with_record(include_str!("../lua/claim.lua")),
-            complete: with_record(include_str!("../lua/complete.lua")),
-            fail: with_record(include_str!("../lua/fail.lua")),
+            settle: with_record(include_str!("../lua/settle.lua")),
             extend: with_record(include_str!("../lua/extend.lua")),
+            get: Script::new(include_str!("../lua/get.lua")),
         }
     }
 }
@@ -55,14 +62,19 @@ impl Scripts {
 pub(crate) struct Shared {
     pub(crate) config: RedisConfig,
     pub(crate) layout: Layout,
-    scripts: Scripts,
+    pub(crate) scripts: Scripts,
+    /// The channel the settle script announces settled keys on: `<prefix>settled`.
+    pub(crate) channel: String,
+    /// The subscriber feeding [`Backend::watch`], started by the first watch.
+    pub(crate) feed: OnceLock<Feed>,
 }
 
 /// Idempotency records in Redis, standalone or cluster.
 ///
-/// Every operation is one Lua script run on the server (claim, complete, fail, extend),
-/// so it is atomic and takes one round trip; the server's clock decides lease lapse, and
-/// Redis expires records itself. Cloning is cheap and shares the connection.
+/// A fresh key is claimed with a plain `SET NX`; every other operation is an atomic Lua
+/// script (complete, fail, release, extend, and a claim of a key that has a record), one
+/// round trip each or per batch. The server's clock decides lease lapse, and Redis expires
+/// records itself. Cloning is cheap and shares the connection.
 #[derive(Clone)]
 pub struct RedisBackend {
     pub(crate) conn: Conn,
@@ -100,9 +112,11 @@ impl RedisBackend {
         RedisBackend {
             conn,
             shared: Arc::new(Shared {
+                channel: format!("{}settled", config.prefix()),
                 config,
                 layout,
                 scripts: Scripts::new(),
+                feed: OnceLock::new(),
             }),
         }
     }
@@ -126,123 +140,50 @@ impl RedisBackend {
         within(what, self.shared.config.timeout(), fut).await
     }
 
-    /// One claim script call for `claims`, all in one slot when in a cluster.
-    async fn claim_group(&self, claims: &[&Claim]) -> Result<Vec<ClaimOutcome>> {
-        let mut inv = self.shared.scripts.claim.prepare_invoke();
-        for c in claims {
-            let fingerprint = c.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]);
-            inv.key(self.record_key(&c.key))
-                .arg(&c.owner)
-                .arg(millis(c.lease_ttl))
-                .arg(fingerprint)
-                .arg(c.max_attempts)
-                .arg(millis(c.retention));
-        }
-        let mut conn = self.conn.clone();
-        let reply: Value = self.call("claim", inv.invoke_async(&mut conn)).await?;
-        let answers = match reply {
-            Value::Array(answers) if answers.len() == claims.len() => answers,
-            other => return Err(bad_reply("claim", format!("{other:?}"))),
-        };
-        claims
-            .iter()
-            .zip(answers)
-            .map(|(c, answer)| decode_outcome(c, answer))
-            .collect()
-    }
-
-    /// `claims` grouped by cluster slot, in order of first appearance; one group standalone.
-    fn groups<'a>(&self, claims: &'a [Claim]) -> Vec<Vec<(usize, &'a Claim)>> {
+    /// `indices` grouped by the cluster slot of their Redis key (`keys[i]`), in order of
+    /// first appearance; one group standalone, none if `indices` is empty.
+    pub(crate) fn by_slot(
+        &self,
+        keys: &[String],
+        indices: impl Iterator<Item = usize>,
+    ) -> Vec<Vec<usize>> {
         if !matches!(self.conn, Conn::Cluster(_)) {
-            return vec![claims.iter().enumerate().collect()];
+            let all: Vec<usize> = indices.collect();
+            return if all.is_empty() {
+                Vec::new()
+            } else {
+                vec![all]
+            };
         }
         let mut index: HashMap<Slot, usize> = HashMap::new();
-        let mut groups: Vec<Vec<(usize, &Claim)>> = Vec::new();
-        for (i, c) in claims.iter().enumerate() {
-            let slot = Slot::for_key(self.record_key(&c.key));
-            let g = *index.entry(slot).or_insert_with(|| {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for i in indices {
+            let g = *index.entry(Slot::for_key(&keys[i])).or_insert_with(|| {
                 groups.push(Vec::new());
                 groups.len() - 1
             });
-            groups[g].push((i, c));
+            groups[g].push(i);
         }
         groups
-    }
-
-    /// Runs a fencing script for `lease` (KEYS: the record; ARGV: token, owner, then what
-    /// `args` adds) and returns its integer reply.
-    async fn fencing(
-        &self,
-        what: &str,
-        script: &Script,
-        lease: &Lease,
-        args: impl FnOnce(&mut ScriptInvocation<'_>),
-    ) -> Result<i64> {
-        let mut inv = script.key(self.record_key(&lease.key));
-        inv.arg(lease.token).arg(&lease.owner);
-        args(&mut inv);
-        let mut conn = self.conn.clone();
-        self.call(what, inv.invoke_async(&mut conn)).await
-    }
-
-    /// The error of a fencing call whose lease no longer holds the record.
-    fn fenced(lease: &Lease) -> Error {
-        Error::Fenced {
-            key: lease.key.clone(),
-            token: lease.token,
-        }
     }
 }
 
 #[async_trait]
 impl Backend for RedisBackend {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
-        let mut answers = self.claim_group(&[claim]).await?;
+        let mut answers = self.claim_all(std::slice::from_ref(claim)).await?;
         answers.pop().ok_or_else(|| bad_reply("claim", "no answer"))
     }
 
-    /// One script call for the whole batch standalone; in a cluster, one per slot, sent
-    /// together.
+    /// A pipeline of `SET NX` for the batch, then, for the keys that had a record and need
+    /// a decision, one script call; in a cluster, each per slot, sent together.
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
-        if claims.is_empty() {
-            return Ok(Vec::new());
-        }
-        let groups = self.groups(claims);
-        let calls = groups.iter().map(|g| {
-            let claims: Vec<&Claim> = g.iter().map(|(_, c)| *c).collect();
-            async move { self.claim_group(&claims).await }
-        });
-        let answers = futures::future::try_join_all(calls).await?;
-        let mut out: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
-        for (group, answers) in groups.iter().zip(answers) {
-            for ((i, _), answer) in group.iter().zip(answers) {
-                out[*i] = Some(answer);
-            }
-        }
-        out.into_iter()
-            .map(|a| a.ok_or_else(|| bad_reply("claim", "a claim got no answer")))
-            .collect()
+        self.claim_all(claims).await
     }
 
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        let limit = self.shared.config.max_response_bytes();
-        if response.len() > limit {
-            return Err(Error::TooLarge {
-                what: "response",
-                size: response.len(),
-                limit,
-            });
-        }
-        let done = self
-            .fencing("complete", &self.shared.scripts.complete, lease, |inv| {
-                inv.arg(&response[..]).arg(millis(retention));
-            })
-            .await?;
-        if done == 1 {
-            Ok(())
-        } else {
-            Err(Self::fenced(lease))
-        }
+        self.settle_one(Settlement::complete(lease.clone(), response), retention)
+            .await
     }
 
     async fn fail(
@@ -252,40 +193,51 @@ impl Backend for RedisBackend {
         kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        let permanent = if kind == FailureKind::Permanent {
-            "1"
-        } else {
-            "0"
-        };
-        let done = self
-            .fencing("fail", &self.shared.scripts.fail, lease, |inv| {
-                inv.arg(error).arg(permanent).arg(millis(retention));
-            })
-            .await?;
-        if done == 1 {
-            Ok(())
-        } else {
-            Err(Self::fenced(lease))
-        }
+        self.settle_one(Settlement::fail(lease.clone(), error, kind), retention)
+            .await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.settle_one(Settlement::release(lease.clone()), Duration::ZERO)
+            .await
+    }
+
+    /// One script call for the whole batch standalone; in a cluster, one per slot, sent
+    /// together. Oversized responses are refused here and never sent.
+    async fn settle_many(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        self.settle_all(items, retention).await
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
-        let until = self
-            .fencing("extend", &self.shared.scripts.extend, lease, |inv| {
-                inv.arg(millis(ttl));
-            })
-            .await?;
+        let mut inv = self.shared.scripts.extend.key(self.record_key(&lease.key));
+        inv.arg(fence(lease)).arg(millis(ttl));
+        let mut conn = self.conn.clone();
+        let until: i64 = self.call("extend", inv.invoke_async(&mut conn)).await?;
         u64::try_from(until)
             .map(Timestamp::from_millis)
-            .map_err(|_| Self::fenced(lease))
+            .map_err(|_| Error::Fenced {
+                key: lease.key.clone(),
+                token: lease.token,
+            })
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>> {
+        let inv = self.shared.scripts.get.key(self.record_key(key));
         let mut conn = self.conn.clone();
-        let mut cmd = redis::cmd("GET");
-        cmd.arg(self.record_key(key));
-        let reply: Value = self.call("get", cmd.query_async(&mut conn)).await?;
-        decode_record(key, reply)
+        let reply: Value = self.call("get", inv.invoke_async(&mut conn)).await?;
+        match reply {
+            Value::Array(mut parts) if parts.len() == 2 => {
+                let expire = parts.pop().as_ref().and_then(int);
+                let value = parts.pop().unwrap_or(Value::Nil);
+                let expire = expire.ok_or_else(|| bad_reply("get", "no expiry time"))?;
+                decode_record(key, value, expire)
+            }
+            other => Err(bad_reply("get", format!("{other:?}"))),
+        }
     }
 
     async fn delete(&self, key: &Key) -> Result<bool> {
@@ -307,11 +259,19 @@ impl Backend for RedisBackend {
         self.scan_records(filter).await
     }
 
+    /// One subscriber connection per backend (and its clones), started here the first
+    /// time, fanned out in process; see `notify.rs`.
+    async fn watch(&self, key: &Key) -> Watch {
+        let feed = self.shared.feed.get_or_init(|| self.feed());
+        feed.watch(self.record_key(key), self.shared.config.timeout())
+            .await
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
             .with_native_expiry(true)
-            .with_batch_claim(true)
             .with_list(true)
+            .with_notify(true)
             .with_max_response_bytes(self.shared.config.max_response_bytes())
     }
 }

@@ -120,7 +120,11 @@ impl ConnectionLike for Conn {
 }
 
 fn single_client(config: &RedisConfig) -> Result<redis::Client> {
-    let url = config.nodes().first().map_or("", String::as_str);
+    node_client(config, config.nodes().first().map_or("", String::as_str))
+}
+
+/// A client of the one server at `url` (a standalone server, or a node of a cluster).
+pub(crate) fn node_client(config: &RedisConfig, url: &str) -> Result<redis::Client> {
     #[cfg(feature = "tls")]
     {
         install_crypto_provider();

@@ -4,12 +4,17 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backend;
+mod claim;
 mod config;
 mod conn;
 mod error;
 mod keys;
 mod list;
+mod notify;
 mod record;
+mod reply;
+mod settle;
+mod v1;
 
 pub use backend::RedisBackend;
 pub use config::RedisConfig;

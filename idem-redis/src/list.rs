@@ -7,13 +7,14 @@ use crate::RedisBackend;
 use crate::conn::{Conn, Node};
 use crate::error::bad_reply;
 use crate::record::decode_record;
+use crate::reply::int;
 
 /// Keys asked for per `SCAN` step.
 const SCAN_COUNT: usize = 1000;
 
 impl RedisBackend {
     /// [`Backend::list`](idem_core::Backend::list): `SCAN` under the prefix on every node
-    /// that holds records, one pipelined `GET` per page.
+    /// that holds records, one pipelined `GET` and `PEXPIRETIME` per page.
     pub(crate) async fn scan_records(&self, filter: &ListFilter) -> Result<Vec<Record>> {
         let layout = &self.shared.layout;
         let pattern = layout.pattern(filter.namespace.as_deref());
@@ -37,6 +38,7 @@ impl RedisBackend {
                         ))
                     })?;
                     pipe.cmd("GET").arg(raw);
+                    pipe.cmd("PEXPIRETIME").arg(raw);
                     keys.push(key);
                 }
                 let mut conn = self.conn.clone();
@@ -45,8 +47,17 @@ impl RedisBackend {
                 } else {
                     self.call("list", conn.pipe_on(node.as_ref(), pipe)).await?
                 };
-                for (key, reply) in keys.iter().zip(replies) {
-                    if let Some(rec) = decode_record(key, reply)? {
+                if replies.len() != 2 * keys.len() {
+                    return Err(bad_reply("list", format!("{replies:?}")));
+                }
+                let mut replies = replies.into_iter();
+                for key in &keys {
+                    let (value, expire) = (replies.next(), replies.next());
+                    let expire = expire.as_ref().and_then(int);
+                    let (Some(value), Some(expire)) = (value, expire) else {
+                        return Err(bad_reply("list", "a record without its expiry time"));
+                    };
+                    if let Some(rec) = decode_record(key, value, expire)? {
                         if filter.matches(&rec) {
                             out.push(rec);
                             if out.len() >= limit {

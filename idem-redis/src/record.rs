@@ -1,175 +1,147 @@
-//! Decoding what Redis answers: a record (the string format of `lua/record.lua`) and the
-//! claim script's reply. Anything that does not decode is [`Error::Corrupt`].
+//! The record layout of `lua/record.lua`, `<S><t>:<#o>:<o><F><n>:<w>;<body>`, with the
+//! deadlines in the key's server-side expiry: what the client builds (a fresh claim's
+//! record, a lease's fencing prefix) and decoding what Redis answers, in this layout or the
+//! first one ([`crate::v1`]). Anything that does not decode is [`Error::Corrupt`].
 
 use bytes::Bytes;
-use idem_core::{
-    Claim, ClaimKind, ClaimOutcome, Error, Fingerprint, Key, Lease, Record, Result, State,
-    Timestamp,
-};
+use idem_core::{Claim, Error, Fingerprint, Key, Lease, Record, Result, State, Timestamp};
 use redis::Value;
 
 use crate::error::{bad_reply, from_redis};
+use crate::v1;
 
-/// The record `GET` returned for `key`; `None` when there is none.
-pub(crate) fn decode_record(key: &Key, value: Value) -> Result<Option<Record>> {
+/// The front of the record `lease` holds: state `P`, its token and its owner. The fencing
+/// scripts compare it with the record's first bytes; the owner's length makes a match
+/// exact.
+pub(crate) fn fence(lease: &Lease) -> Vec<u8> {
+    let mut out = format!("P{}:{}:", lease.token, lease.owner.len()).into_bytes();
+    out.extend_from_slice(lease.owner.as_bytes());
+    out
+}
+
+/// The record a claim of a key with none writes: token 1, attempts 1, and `retention_ms`
+/// as the time the record outlives the lease (its expiry is set with it).
+pub(crate) fn fresh(claim: &Claim, retention_ms: u64) -> Vec<u8> {
+    let mut out = format!("P1:{}:", claim.owner.len()).into_bytes();
+    out.extend_from_slice(claim.owner.as_bytes());
+    match &claim.fingerprint {
+        Some(f) => {
+            out.push(b'#');
+            out.extend_from_slice(&f.0);
+        }
+        None => out.push(b'-'),
+    }
+    out.extend_from_slice(format!("1:{retention_ms};").as_bytes());
+    out
+}
+
+/// The record `GET` returned for `key`, given the key's `PEXPIRETIME` read with it; `None`
+/// when there is none.
+pub(crate) fn decode_record(key: &Key, value: Value, expire: i64) -> Result<Option<Record>> {
     match value {
         Value::Nil => Ok(None),
-        Value::BulkString(raw) => decode(key, &raw)
-            .map(Some)
-            .map_err(|why| Error::corrupt(format!("record {key}: {why}"))),
+        Value::BulkString(raw) => {
+            let decoded = match raw.first() {
+                Some(b'P' | b'C' | b'F') => decode(key, &raw, expire),
+                _ => v1::decode(key, &raw).map(Some),
+            };
+            decoded.map_err(|why| Error::corrupt(format!("record {key}: {why}")))
+        }
         Value::ServerError(e) => Err(from_redis("get", e.into())),
         other => Err(bad_reply("get", format!("{other:?}"))),
     }
 }
 
-/// `<s><t>,<n>,<l>,<x>,<k>,<#o>,<#f>,<#r>,<#e>;<o><f><r><e>`, as `lua/record.lua` writes it.
-fn decode(key: &Key, raw: &[u8]) -> Result<Record, &'static str> {
-    let end = raw
-        .iter()
-        .position(|&b| b == b';')
-        .ok_or("not an idem record")?;
-    let (head, mut body) = (&raw[..end], &raw[end + 1..]);
-    let (&state, head) = head.split_first().ok_or("not an idem record")?;
-    let state = match state {
-        b'p' => State::Processing,
-        b'c' => State::Completed,
-        b'f' => State::Failed,
-        _ => return Err("bad state"),
-    };
-    let parts: Vec<&[u8]> = head.split(|&b| b == b',').collect();
-    let [t, n, l, x, k, lo, lf, lr, le] = parts.as_slice() else {
-        return Err("not an idem record");
-    };
-    let num = |text: &[u8]| number(text).ok_or("a field is not a number");
-    let opt = |text: &[u8]| {
-        if text.is_empty() {
-            Ok(None)
-        } else {
-            num(text).map(Some)
+/// The bytes of a record, read front to back.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Fields<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
+        if n > self.0.len() {
+            return Err("bad length");
         }
-    };
-    let len = |n: u64| usize::try_from(n).map_err(|_| "bad length");
-    let permanent = match *k {
-        b"0" => false,
-        b"1" => true,
-        _ => return Err("bad permanent flag"),
-    };
-    let owner_len = len(num(lo)?)?;
-    let fp_len = len(num(lf)?)?;
-    let resp_len = opt(lr)?.map(len).transpose()?;
-    let err_len = opt(le)?.map(len).transpose()?;
-    if fp_len != 0 && fp_len != 32 {
-        return Err("bad fingerprint length");
+        let (part, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(part)
     }
-    let total = owner_len + fp_len + resp_len.unwrap_or(0) + err_len.unwrap_or(0);
-    if total != body.len() {
-        return Err("bad length");
+
+    /// A decimal ended by `end`.
+    fn number(&mut self, end: u8) -> Result<u64, &'static str> {
+        let at = self
+            .0
+            .iter()
+            .position(|&b| b == end)
+            .ok_or("not an idem record")?;
+        let n = v1::number(&self.0[..at]).ok_or("a field is not a number")?;
+        self.0 = &self.0[at + 1..];
+        Ok(n)
     }
-    let mut take = |n: usize| {
-        let (part, rest) = body.split_at(n);
-        body = rest;
-        part
+}
+
+fn decode(key: &Key, raw: &[u8], expire: i64) -> Result<Option<Record>, &'static str> {
+    // The key went away between the reads (`list` reads without a snapshot).
+    if expire == -2 {
+        return Ok(None);
+    }
+    let expires_at = u64::try_from(expire)
+        .map_err(|_| "no expiry")?
+        .saturating_add(1);
+    let (&state, rest) = raw.split_first().ok_or("not an idem record")?;
+    let state = match state {
+        b'P' => State::Processing,
+        b'C' => State::Completed,
+        _ => State::Failed,
     };
-    let owner = String::from_utf8(take(owner_len).to_vec()).map_err(|_| "owner is not UTF-8")?;
-    let fingerprint = match take(fp_len).try_into() {
-        Ok(f) => Some(Fingerprint(f)),
-        Err(_) => None, // length 0
+    let mut f = Fields(rest);
+    let token = f.number(b':')?;
+    let owner_len = usize::try_from(f.number(b':')?).map_err(|_| "bad length")?;
+    let owner = String::from_utf8(f.take(owner_len)?.to_vec()).map_err(|_| "owner is not UTF-8")?;
+    let fingerprint = match f.take(1)? {
+        b"-" => None,
+        b"#" => Some(Fingerprint(
+            f.take(32)?.try_into().map_err(|_| "bad length")?,
+        )),
+        _ => return Err("bad fingerprint"),
     };
-    let response = resp_len.map(|n| Bytes::copy_from_slice(take(n)));
-    let error = match err_len {
-        None => None,
-        Some(n) => Some(String::from_utf8(take(n).to_vec()).map_err(|_| "error is not UTF-8")?),
-    };
-    Ok(Record {
+    let attempts = u32::try_from(f.number(b':')?).map_err(|_| "too many attempts")?;
+    let retention = f.number(b';')?;
+    let body = f.0;
+    let (mut response, mut error, mut permanent, mut lease_until) = (None, None, false, None);
+    match state {
+        State::Completed => response = Some(Bytes::copy_from_slice(body)),
+        State::Failed => {
+            let (&flag, text) = body.split_first().ok_or("bad permanent flag")?;
+            permanent = match flag {
+                b'0' => false,
+                b'1' => true,
+                _ => return Err("bad permanent flag"),
+            };
+            error = Some(String::from_utf8(text.to_vec()).map_err(|_| "error is not UTF-8")?);
+        }
+        State::Processing if body.is_empty() => {
+            lease_until = Some(Timestamp::from_millis(expires_at.saturating_sub(retention)));
+        }
+        State::Processing => return Err("bad length"),
+    }
+    Ok(Some(Record {
         key: key.clone(),
         state,
         owner,
-        token: num(t)?,
-        attempts: u32::try_from(num(n)?).map_err(|_| "too many attempts")?,
-        lease_until: opt(l)?.map(Timestamp::from_millis),
+        token,
+        attempts,
+        lease_until,
         fingerprint,
         response,
         error,
         permanent,
-        expires_at: Some(Timestamp::from_millis(num(x)?)),
-    })
-}
-
-/// A decimal of at most 15 digits, as the scripts accept it.
-fn number(text: &[u8]) -> Option<u64> {
-    if text.is_empty() || text.len() > 15 || !text.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(text).ok()?.parse().ok()
-}
-
-fn bytes(value: &Value) -> Option<&[u8]> {
-    match value {
-        Value::BulkString(b) => Some(b),
-        Value::SimpleString(s) => Some(s.as_bytes()),
-        _ => None,
-    }
-}
-
-fn int(value: &Value) -> Option<i64> {
-    match value {
-        Value::Int(i) => Some(*i),
-        _ => None,
-    }
-}
-
-fn millis(value: &Value) -> Option<Timestamp> {
-    Some(Timestamp::from_millis(u64::try_from(int(value)?).ok()?))
-}
-
-/// One answer of the claim script (see `lua/claim.lua` for its shape).
-pub(crate) fn decode_outcome(claim: &Claim, value: Value) -> Result<ClaimOutcome> {
-    decode_outcome_inner(claim, &value).ok_or_else(|| bad_reply("claim", format!("{value:?}")))
-}
-
-fn decode_outcome_inner(claim: &Claim, value: &Value) -> Option<ClaimOutcome> {
-    let Value::Array(items) = value else {
-        return None;
-    };
-    let mut items = items.iter();
-    let tag = int(items.next()?)?;
-    let out = match tag {
-        1 => {
-            let (token, attempts, until, kind) =
-                (items.next()?, items.next()?, items.next()?, items.next()?);
-            ClaimOutcome::Acquired(Lease {
-                key: claim.key.clone(),
-                owner: claim.owner.clone(),
-                token: u64::try_from(int(token)?).ok()?,
-                attempts: u32::try_from(int(attempts)?).ok()?,
-                lease_until: millis(until)?,
-                kind: match int(kind)? {
-                    0 => ClaimKind::First,
-                    1 => ClaimKind::Retry,
-                    2 => ClaimKind::Takeover,
-                    _ => return None,
-                },
-            })
-        }
-        2 => ClaimOutcome::Completed(Bytes::copy_from_slice(bytes(items.next()?)?)),
-        3 => {
-            let owner = String::from_utf8(bytes(items.next()?)?.to_vec()).ok()?;
-            let lease_until = millis(items.next()?)?;
-            ClaimOutcome::InProgress { owner, lease_until }
-        }
-        4 => {
-            let attempts = u32::try_from(int(items.next()?)?).ok()?;
-            let error = String::from_utf8(bytes(items.next()?)?.to_vec()).ok()?;
-            ClaimOutcome::Poisoned { attempts, error }
-        }
-        5 => ClaimOutcome::Mismatch,
-        _ => return None,
-    };
-    Some(out)
+        expires_at: Some(Timestamp::from_millis(expires_at)),
+    }))
 }
 
 #[cfg(test)]
 mod tests {
+    use idem_core::ClaimKind;
+
     use super::*;
 
     fn key() -> Key {
@@ -180,9 +152,77 @@ mod tests {
         Value::BulkString(raw.to_vec())
     }
 
+    fn lease() -> Lease {
+        Lease {
+            key: key(),
+            owner: "w:1".into(),
+            token: 12,
+            attempts: 1,
+            lease_until: Timestamp::from_millis(0),
+            kind: ClaimKind::First,
+        }
+    }
+
     #[test]
-    fn decodes_records() {
-        let rec = decode_record(&key(), string(b"c3,2,,1700000000000,0,1,0,2,;w\xff\x00"))
+    fn a_fresh_record_decodes_with_its_deadlines_from_the_expiry() {
+        let claim = Claim {
+            key: key(),
+            owner: "w:1".into(),
+            lease_ttl: std::time::Duration::from_secs(1),
+            fingerprint: Some(Fingerprint([b';'; 32])),
+            max_attempts: 3,
+            retention: std::time::Duration::from_secs(1),
+        };
+        let raw = fresh(&claim, 500);
+        assert!(raw.starts_with(b"P1:3:w:1#"));
+        let rec = decode_record(&key(), string(&raw), 10_999)
+            .unwrap()
+            .unwrap();
+        assert_eq!(rec.state, State::Processing);
+        assert_eq!((rec.token, rec.attempts, rec.owner.as_str()), (1, 1, "w:1"));
+        assert_eq!(rec.expires_at, Some(Timestamp::from_millis(11_000)));
+        assert_eq!(rec.lease_until, Some(Timestamp::from_millis(10_500)));
+        assert_eq!(rec.fingerprint, claim.fingerprint);
+        assert_eq!(decode_record(&key(), string(&raw), -2).unwrap(), None);
+    }
+
+    #[test]
+    fn the_fencing_prefix_is_the_front_of_a_held_record() {
+        assert_eq!(fence(&lease()), b"P12:3:w:1");
+        let rec = decode_record(&key(), string(b"C12:3:w:1-2:0;\x00ok"), 99)
+            .unwrap()
+            .unwrap();
+        assert_eq!(rec.response, Some(Bytes::from_static(b"\x00ok")));
+        assert_eq!((rec.lease_until, rec.attempts), (None, 2));
+        let rec = decode_record(&key(), string(b"F2:1:a-1:0;1boom"), 99)
+            .unwrap()
+            .unwrap();
+        assert_eq!((rec.error.as_deref(), rec.permanent), (Some("boom"), true));
+    }
+
+    #[test]
+    fn refuses_what_does_not_decode() {
+        for (bad, expire) in [
+            (string(b"P1:1:w-1:0;extra"), 5),
+            (string(b"P1:9:w-1:0;"), 5),
+            (string(b"P1:1:w*1:0;"), 5),
+            (string(b"P1:1:w#short1:0;"), 5),
+            (string(b"Px:1:w-1:0;"), 5),
+            (string(b"F1:1:w-1:0;2e"), 5),
+            (string(b"C1:1:w-1:0;"), -1),
+            (Value::Int(5), 5),
+        ] {
+            let res = decode_record(&key(), bad.clone(), expire);
+            assert!(
+                matches!(res, Err(Error::Corrupt { .. })),
+                "{bad:?}: {res:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn decodes_records_of_the_first_layout() {
+        let rec = decode_record(&key(), string(b"c3,2,,1700000000000,0,1,0,2,;w\xff\x00"), 5)
             .unwrap()
             .unwrap();
         assert_eq!(rec.state, State::Completed);
@@ -196,15 +236,15 @@ mod tests {
         let mut raw = b"f1,1,,99,1,2,32,,3;a;".to_vec();
         raw.extend_from_slice(&fp);
         raw.extend_from_slice(b"e,r");
-        let rec = decode_record(&key(), string(&raw)).unwrap().unwrap();
+        let rec = decode_record(&key(), string(&raw), 5).unwrap().unwrap();
         assert_eq!(rec.owner, "a;");
         assert_eq!(rec.fingerprint, Some(Fingerprint(fp)));
         assert_eq!((rec.error.as_deref(), rec.permanent), (Some("e,r"), true));
-        assert_eq!(decode_record(&key(), Value::Nil).unwrap(), None);
+        assert_eq!(decode_record(&key(), Value::Nil, 5).unwrap(), None);
     }
 
     #[test]
-    fn refuses_what_does_not_decode() {
+    fn refuses_first_layout_records_that_do_not_decode() {
         for bad in [
             string(b"hello"),
             string(b"z1,1,,5,0,1,0,,;w"),
@@ -217,44 +257,11 @@ mod tests {
             Value::Int(5),
             Value::Array(vec![]),
         ] {
-            let res = decode_record(&key(), bad.clone());
+            let res = decode_record(&key(), bad.clone(), 5);
             assert!(
                 matches!(res, Err(Error::Corrupt { .. })),
                 "{bad:?}: {res:?}"
             );
         }
-    }
-
-    #[test]
-    fn decodes_claim_replies() {
-        let claim = Claim {
-            key: key(),
-            owner: "w".into(),
-            lease_ttl: std::time::Duration::from_secs(1),
-            fingerprint: None,
-            max_attempts: 3,
-            retention: std::time::Duration::from_secs(1),
-        };
-        let acquired = Value::Array(vec![
-            Value::Int(1),
-            Value::Int(4),
-            Value::Int(2),
-            Value::Int(99),
-            Value::Int(2),
-        ]);
-        match decode_outcome(&claim, acquired).unwrap() {
-            ClaimOutcome::Acquired(l) => {
-                assert_eq!((l.token, l.attempts, l.kind), (4, 2, ClaimKind::Takeover));
-                assert_eq!(l.lease_until, Timestamp::from_millis(99));
-            }
-            other => panic!("{other:?}"),
-        }
-        let mismatch = Value::Array(vec![Value::Int(5)]);
-        assert_eq!(
-            decode_outcome(&claim, mismatch).unwrap(),
-            ClaimOutcome::Mismatch
-        );
-        let res = decode_outcome(&claim, Value::Array(vec![Value::Int(9)]));
-        assert!(matches!(res, Err(Error::Corrupt { .. })));
     }
 }

@@ -6,9 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{HOUR, PrivateServer, claim, cluster_config, connect, raw, raw_cluster};
+use common::{HOUR, PrivateServer, claim, cluster_config, connect, fresh_batch, raw, raw_cluster};
 use conformance::unique_namespace;
-use idem_core::{Backend, ClaimOutcome, Error, FailureKind, Key, Lease, State};
+use idem_core::{Backend, ClaimOutcome, Error, FailureKind, Key, Lease, Settlement, State};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::ConnectionLike;
 
@@ -44,29 +44,48 @@ async fn script_flush(conn: &mut impl ConnectionLike) {
         .expect("script flush");
 }
 
+/// A batch costs one pipeline of `SET NX`, then one script call for the keys that had a
+/// record; settling it is one script call.
 #[tokio::test]
 async fn a_batch_is_one_script_call() {
     let server = PrivateServer::start().await;
     let backend = connect(RedisConfig::new(server.url())).await;
     let mut conn = raw(&server.url()).await;
-    let ns = unique_namespace();
-    let batch: Vec<_> = (0..128)
-        .map(|i| claim(&Key::new(ns.clone(), format!("k{i}")).expect("key"), "w"))
-        .collect();
+    let batch = fresh_batch(128);
+    backend.claim(&batch[0]).await.expect("claim");
     backend
         .claim(&batch[0])
         .await
-        .expect("warm the script cache");
+        .expect("a claim of a held key loads the script");
     let before = evalsha_calls(&mut conn).await;
     let answers = backend.claim_many(&batch).await.expect("claim_many");
     assert_eq!(evalsha_calls(&mut conn).await - before, 1);
     assert!(matches!(&answers[0], ClaimOutcome::InProgress { owner, .. } if owner == "w"));
+    let mut settle = Vec::new();
     for (c, answer) in batch.iter().zip(&answers).skip(1) {
-        assert!(
-            matches!(answer, ClaimOutcome::Acquired(l) if l.key == c.key && l.token == 1),
-            "{answer:?}"
-        );
+        match answer {
+            ClaimOutcome::Acquired(l) if l.key == c.key && l.token == 1 => {
+                settle.push(Settlement::complete(l.clone(), Bytes::from_static(b"ok")));
+            }
+            other => panic!("{other:?}"),
+        }
     }
+    backend
+        .complete(&settle[0].lease, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("a complete loads the script");
+    let before = evalsha_calls(&mut conn).await;
+    let answers = backend
+        .settle_many(&settle, HOUR)
+        .await
+        .expect("settle_many");
+    assert_eq!(evalsha_calls(&mut conn).await - before, 1);
+    assert!(
+        matches!(answers[0], Err(Error::Fenced { .. })),
+        "{:?}",
+        answers[0]
+    );
+    assert!(answers[1..].iter().all(Result::is_ok), "{answers:?}");
 }
 
 #[tokio::test]

@@ -57,6 +57,14 @@ pub fn claim(key: &Key, owner: &str) -> Claim {
     }
 }
 
+/// Claims by "w" of `n` fresh keys of one new namespace.
+pub fn fresh_batch(n: usize) -> Vec<Claim> {
+    let ns = conformance::unique_namespace();
+    (0..n)
+        .map(|i| claim(&Key::new(ns.clone(), format!("k{i}")).expect("key"), "w"))
+        .collect()
+}
+
 /// A loopback port nothing listens on (bound, then released).
 pub fn closed_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");

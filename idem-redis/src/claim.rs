@@ -1,0 +1,167 @@
+//! Claims. A key with no record is claimed with a plain `SET … NX PX … GET` (pipelined for
+//! a batch), which writes the fresh record and its expiry; `PEXPIRETIME`, sent with it,
+//! gives the lease's deadline by the server's clock. Where `SET` found a record, a
+//! completed or spent one is answered from the value it returned; the rest go to the claim
+//! script (`lua/claim.lua`), one call per batch per cluster slot.
+
+use std::collections::HashMap;
+
+use idem_core::{Claim, ClaimKind, ClaimOutcome, Lease, Result, State, Timestamp, machine};
+use redis::Value;
+
+use crate::RedisBackend;
+use crate::backend::millis;
+use crate::error::{bad_reply, from_redis};
+use crate::record::{decode_record, fresh};
+use crate::reply::{decode_outcome, int};
+
+impl RedisBackend {
+    /// [`Backend::claim_many`](idem_core::Backend::claim_many): each answer as the single
+    /// claims in turn would give it.
+    pub(crate) async fn claim_all(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
+        let keys: Vec<String> = claims.iter().map(|c| self.record_key(&c.key)).collect();
+        let mut count: HashMap<&str, usize> = HashMap::new();
+        for k in &keys {
+            *count.entry(k.as_str()).or_default() += 1;
+        }
+        // A key met twice in the batch goes to the script, which answers its items in order.
+        let fast = (0..claims.len()).filter(|&i| {
+            let c = &claims[i];
+            count[keys[i].as_str()] == 1 && millis(c.lease_ttl) + millis(c.retention) >= 2
+        });
+        let groups = self.by_slot(&keys, fast);
+        let calls = groups.iter().map(|g| self.set_nx(&keys, claims, g));
+        let mut out: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
+        for (group, answers) in groups
+            .iter()
+            .zip(futures::future::try_join_all(calls).await?)
+        {
+            for (&i, answer) in group.iter().zip(answers) {
+                out[i] = answer;
+            }
+        }
+        let rest = (0..claims.len()).filter(|&i| out[i].is_none());
+        let groups = self.by_slot(&keys, rest);
+        let calls = groups.iter().map(|g| self.claim_script(&keys, claims, g));
+        for (group, answers) in groups
+            .iter()
+            .zip(futures::future::try_join_all(calls).await?)
+        {
+            for (&i, answer) in group.iter().zip(answers) {
+                out[i] = Some(answer);
+            }
+        }
+        out.into_iter()
+            .map(|a| a.ok_or_else(|| bad_reply("claim", "a claim got no answer")))
+            .collect()
+    }
+
+    /// One pipeline of `SET key <fresh record> NX PX <lease + retention - 1> GET` and
+    /// `PEXPIRETIME key` for the claims at `group` (one slot): each answer, or `None` where
+    /// the script must decide.
+    async fn set_nx(
+        &self,
+        keys: &[String],
+        claims: &[Claim],
+        group: &[usize],
+    ) -> Result<Vec<Option<ClaimOutcome>>> {
+        let mut pipe = redis::pipe();
+        for &i in group {
+            let (c, retention) = (&claims[i], millis(claims[i].retention));
+            pipe.cmd("SET")
+                .arg(&keys[i])
+                .arg(fresh(c, retention))
+                .arg("NX")
+                .arg("PX")
+                .arg(millis(c.lease_ttl) + retention - 1)
+                .arg("GET");
+            pipe.cmd("PEXPIRETIME").arg(&keys[i]);
+        }
+        let mut conn = self.conn.clone();
+        let replies = self.call("claim", conn.pipe_on(None, pipe)).await?;
+        if replies.len() != 2 * group.len() {
+            return Err(bad_reply("claim", format!("{replies:?}")));
+        }
+        let mut replies = replies.into_iter();
+        let mut out = Vec::with_capacity(group.len());
+        for &i in group {
+            let (found, expire) = (replies.next(), replies.next());
+            let expire = match expire {
+                Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
+                Some(v) => int(&v).ok_or_else(|| bad_reply("claim", format!("{v:?}")))?,
+                None => return Err(bad_reply("claim", "no reply")),
+            };
+            out.push(match found {
+                Some(Value::Nil) => Some(granted(&claims[i], expire)),
+                Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
+                Some(v) => settled(&claims[i], v, expire)?,
+                None => return Err(bad_reply("claim", "no reply")),
+            });
+        }
+        Ok(out)
+    }
+
+    /// One claim script call for the claims at `group`, all in one slot when in a cluster.
+    async fn claim_script(
+        &self,
+        keys: &[String],
+        claims: &[Claim],
+        group: &[usize],
+    ) -> Result<Vec<ClaimOutcome>> {
+        let mut inv = self.shared.scripts.claim.prepare_invoke();
+        for &i in group {
+            let c = &claims[i];
+            let fingerprint = c.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]);
+            inv.key(&keys[i])
+                .arg(&c.owner)
+                .arg(millis(c.lease_ttl))
+                .arg(fingerprint)
+                .arg(c.max_attempts)
+                .arg(millis(c.retention));
+        }
+        let mut conn = self.conn.clone();
+        let reply: Value = self.call("claim", inv.invoke_async(&mut conn)).await?;
+        let answers = match reply {
+            Value::Array(answers) if answers.len() == group.len() => answers,
+            other => return Err(bad_reply("claim", format!("{other:?}"))),
+        };
+        group
+            .iter()
+            .zip(answers)
+            .map(|(&i, answer)| decode_outcome(&claims[i], answer))
+            .collect()
+    }
+}
+
+/// The lease `SET NX` granted: token 1, ending where the record's expiry (`expire`, its
+/// `PEXPIRETIME`) says, less the retention it carries. Should the key be gone already (a
+/// lease shorter than the round trip, then an expiry or a delete), the client's estimate.
+fn granted(claim: &Claim, expire: i64) -> ClaimOutcome {
+    let lease_until = match u64::try_from(expire) {
+        Ok(at) => Timestamp::from_millis((at + 1).saturating_sub(millis(claim.retention))),
+        Err(_) => Timestamp::now().saturating_add(claim.lease_ttl),
+    };
+    ClaimOutcome::Acquired(Lease {
+        key: claim.key.clone(),
+        owner: claim.owner.clone(),
+        token: 1,
+        attempts: 1,
+        lease_until,
+        kind: ClaimKind::First,
+    })
+}
+
+/// The answer to `claim` from the record `SET NX` found, where it needs neither the clock
+/// nor a write: a completed or failed record's `Completed`, `Poisoned` or `Mismatch`.
+/// `None` (the script decides) for a `Processing` record, a retry, or a record gone.
+fn settled(claim: &Claim, found: Value, expire: i64) -> Result<Option<ClaimOutcome>> {
+    let Some(rec) = decode_record(&claim.key, found, expire)? else {
+        return Ok(None);
+    };
+    if rec.state == State::Processing {
+        return Ok(None);
+    }
+    // Redis returned the record, so it is live: any time before its expiry decides alike.
+    let (answer, write) = machine::claim(Some(&rec), claim, Timestamp::from_millis(0));
+    Ok(write.is_none().then_some(answer))
+}

@@ -1,0 +1,46 @@
+//! Waking waiters ([`Backend::watch`](idem_core::Backend::watch)): `lua/settle.lua`
+//! publishes every key it settles on `<prefix>settled`, and one subscriber connection per
+//! backend forwards those keys to the waiters in process.
+//!
+//! In a cluster the script's `PUBLISH` reaches every node (Redis forwards classic pub/sub
+//! over the cluster bus), so the subscriber needs one node only; each reconnect tries the
+//! next configured node, so losing a node costs one reconnect.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures::{FutureExt, StreamExt};
+use idem_core::watch::Feed;
+
+use crate::RedisBackend;
+use crate::conn::{node_client, within};
+
+impl RedisBackend {
+    /// The feed of settled keys, connecting in its own task.
+    pub(crate) fn feed(&self) -> Feed {
+        let config = self.shared.config.clone();
+        let channel = self.shared.channel.clone();
+        let next = Arc::new(AtomicUsize::new(0));
+        Feed::spawn(
+            "redis",
+            Box::new(move || {
+                let (config, channel) = (config.clone(), channel.clone());
+                let nodes = config.nodes().len().max(1);
+                let node = next.fetch_add(1, Ordering::Relaxed) % nodes;
+                async move {
+                    let url = config.nodes().get(node).map_or("", String::as_str);
+                    let client = node_client(&config, url)?;
+                    let limit = config.timeout();
+                    let mut pubsub = within("subscribe", limit, client.get_async_pubsub()).await?;
+                    within("subscribe", limit, pubsub.subscribe(&channel)).await?;
+                    let keys = pubsub.into_on_message().filter_map(|msg| {
+                        let key = String::from_utf8(msg.get_payload_bytes().to_vec()).ok();
+                        std::future::ready(key)
+                    });
+                    Ok(keys.boxed())
+                }
+                .boxed()
+            }),
+        )
+    }
+}

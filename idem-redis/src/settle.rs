@@ -1,0 +1,121 @@
+//! Settling leases (complete, fail, release) with `lua/settle.lua`: it checks that each
+//! record starts with its lease's fencing prefix and writes the new one around the part
+//! the client does not know (fingerprint and attempts), one call per batch per cluster
+//! slot.
+
+use std::time::Duration;
+
+use idem_core::{Error, FailureKind, Result, Settle, Settlement};
+use redis::Value;
+
+use crate::RedisBackend;
+use crate::backend::millis;
+use crate::error::bad_reply;
+use crate::record::fence;
+
+impl RedisBackend {
+    /// [`Backend::settle_many`](idem_core::Backend::settle_many). Oversized responses are
+    /// refused here and never sent.
+    pub(crate) async fn settle_all(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        let mut out: Vec<Option<Result<()>>> = items
+            .iter()
+            .map(|item| self.check_size(&item.settle).err().map(Err))
+            .collect();
+        let keys: Vec<String> = items
+            .iter()
+            .map(|item| self.record_key(&item.lease.key))
+            .collect();
+        let sent = (0..items.len()).filter(|&i| out[i].is_none());
+        let groups = self.by_slot(&keys, sent);
+        let calls = groups
+            .iter()
+            .map(|g| self.settle_script(&keys, items, g, retention));
+        for (group, done) in groups
+            .iter()
+            .zip(futures::future::try_join_all(calls).await?)
+        {
+            for (&i, done) in group.iter().zip(done) {
+                out[i] = Some(if done { Ok(()) } else { Err(fenced(&items[i])) });
+            }
+        }
+        out.into_iter()
+            .map(|a| a.ok_or_else(|| bad_reply("settle", "an item got no answer")))
+            .collect()
+    }
+
+    /// A single settle: `Ok`, [`Error::TooLarge`] or [`Error::Fenced`].
+    pub(crate) async fn settle_one(&self, item: Settlement, retention: Duration) -> Result<()> {
+        let mut answers = self
+            .settle_all(std::slice::from_ref(&item), retention)
+            .await?;
+        answers
+            .pop()
+            .unwrap_or_else(|| Err(bad_reply("settle", "no answer")))
+    }
+
+    /// One settle script call for the items at `group`, all in one slot when in a
+    /// cluster: whether each was done (else fenced).
+    async fn settle_script(
+        &self,
+        keys: &[String],
+        items: &[Settlement],
+        group: &[usize],
+        retention: Duration,
+    ) -> Result<Vec<bool>> {
+        let mut inv = self.shared.scripts.settle.prepare_invoke();
+        inv.arg(millis(retention)).arg(&self.shared.channel);
+        for &i in group {
+            let item = &items[i];
+            inv.key(&keys[i]).arg(fence(&item.lease));
+            match &item.settle {
+                Settle::Complete(response) => inv.arg("c").arg(&response[..]),
+                Settle::Fail { error, kind } => {
+                    let action = if *kind == FailureKind::Permanent {
+                        "F"
+                    } else {
+                        "f"
+                    };
+                    inv.arg(action).arg(error.as_str())
+                }
+                Settle::Release => inv.arg("r").arg(""),
+            };
+        }
+        let mut conn = self.conn.clone();
+        let reply: Value = self.call("settle", inv.invoke_async(&mut conn)).await?;
+        match reply {
+            Value::Array(answers) if answers.len() == group.len() => answers
+                .iter()
+                .map(|a| match a {
+                    Value::Int(done) => Ok(*done == 1),
+                    other => Err(bad_reply("settle", format!("{other:?}"))),
+                })
+                .collect(),
+            other => Err(bad_reply("settle", format!("{other:?}"))),
+        }
+    }
+
+    /// [`Error::TooLarge`] for a response over the configured limit.
+    fn check_size(&self, settle: &Settle) -> Result<()> {
+        let limit = self.shared.config.max_response_bytes();
+        match settle {
+            Settle::Complete(response) if response.len() > limit => Err(Error::TooLarge {
+                what: "response",
+                size: response.len(),
+                limit,
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The error of a settle whose lease no longer holds the record.
+fn fenced(item: &Settlement) -> Error {
+    Error::Fenced {
+        key: item.lease.key.clone(),
+        token: item.lease.token,
+    }
+}

@@ -1,0 +1,183 @@
+//! The wire protocol: a fresh key is claimed with a plain `SET NX` and no script, the
+//! deadline of such a lease lives in the server's expiry (so the server's clock decides its
+//! lapse), and records of the first layout are still read.
+
+mod common;
+
+use bytes::Bytes;
+use common::{HOUR, PrivateServer, claim, connect, fresh_batch, raw, standalone_config};
+use conformance::{service_env, unique_namespace};
+use idem_core::{Backend, ClaimKind, ClaimOutcome, Error, Key, Lease, State, Timestamp};
+use idem_redis::{RedisBackend, RedisConfig};
+use redis::aio::ConnectionLike;
+
+fn key(id: &str) -> Key {
+    Key::new(unique_namespace(), id).expect("key")
+}
+
+/// Calls per command so far (`INFO commandstats`), for the commands named.
+async fn calls(conn: &mut impl ConnectionLike, commands: &[&str]) -> Vec<u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .expect("info");
+    commands
+        .iter()
+        .map(|c| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(&format!("cmdstat_{c}:calls=")))
+                .and_then(|rest| rest.split(',').next())
+                .map_or(0, |n| n.parse().expect("calls"))
+        })
+        .collect()
+}
+
+fn acquired(answer: ClaimOutcome) -> Lease {
+    match answer {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// Counted on a server of this test's own, so no other test's commands mix in.
+#[tokio::test]
+async fn fresh_keys_and_replays_need_no_script() {
+    let server = PrivateServer::start().await;
+    let backend = connect(RedisConfig::new(server.url())).await;
+    let mut conn = raw(&server.url()).await;
+    let batch = fresh_batch(128);
+    let counted = ["evalsha", "eval", "set"];
+    let before = calls(&mut conn, &counted).await;
+    let lease = acquired(
+        backend
+            .claim(&claim(&key("one"), "w"))
+            .await
+            .expect("claim"),
+    );
+    assert_eq!((lease.token, lease.kind), (1, ClaimKind::First));
+    let answers = backend.claim_many(&batch).await.expect("claim_many");
+    assert!(
+        answers
+            .iter()
+            .all(|a| matches!(a, ClaimOutcome::Acquired(_)))
+    );
+    let after = calls(&mut conn, &counted).await;
+    assert_eq!(after[0] - before[0], 0, "EVALSHA calls");
+    assert_eq!(after[1] - before[1], 0, "EVAL calls");
+    assert_eq!(after[2] - before[2], 129, "SET calls");
+
+    backend
+        .complete(&lease, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("complete");
+    let before = calls(&mut conn, &counted).await;
+    let replay = backend.claim(&claim(&lease.key, "v")).await.expect("claim");
+    assert_eq!(replay, ClaimOutcome::Completed(Bytes::from_static(b"ok")));
+    let after = calls(&mut conn, &counted).await;
+    assert_eq!(after[0] - before[0], 0, "a replay runs no script");
+}
+
+async fn server_now(conn: &mut impl ConnectionLike) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await.expect("TIME");
+    secs * 1000 + micros / 1000
+}
+
+/// A lease granted by `SET NX` ends where the key's server-side expiry says, less the
+/// retention: moving that expiry on the server moves the lease, whatever the client holds.
+#[tokio::test]
+async fn the_server_clock_decides_lapse_on_the_fast_path() {
+    let backend = connect(standalone_config()).await;
+    let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
+    let k = key("lapse");
+    let record = backend.record_key(&k);
+    let retention = HOUR.as_millis() as u64;
+    let lease = acquired(backend.claim(&claim(&k, "a")).await.expect("claim"));
+    let expire: u64 = redis::cmd("PEXPIRETIME")
+        .arg(&record)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIRETIME");
+    assert_eq!(lease.lease_until.as_millis(), expire + 1 - retention);
+    let stored = backend.get(&k).await.expect("get").expect("record");
+    assert_eq!(stored.lease_until, Some(lease.lease_until));
+    assert_eq!(stored.expires_at, Some(Timestamp::from_millis(expire + 1)));
+    let answer = backend.claim(&claim(&k, "b")).await.expect("claim");
+    assert!(
+        matches!(&answer, ClaimOutcome::InProgress { owner, lease_until } if owner == "a" && *lease_until == lease.lease_until),
+        "{answer:?}"
+    );
+    // The client still thinks the lease has 10 s to run; the server ends it now.
+    let now = server_now(&mut conn).await;
+    let _: () = redis::cmd("PEXPIREAT")
+        .arg(&record)
+        .arg(now + retention - 1)
+        .query_async(&mut conn)
+        .await
+        .expect("PEXPIREAT");
+    assert!(lease.lease_until > Timestamp::now());
+    let taken = acquired(backend.claim(&claim(&k, "b")).await.expect("claim"));
+    assert_eq!((taken.token, taken.kind), (2, ClaimKind::Takeover));
+    let res = backend
+        .complete(&lease, Bytes::from_static(b"late"), HOUR)
+        .await;
+    assert!(matches!(res, Err(Error::Fenced { .. })), "{res:?}");
+}
+
+async fn plant(backend: &RedisBackend, key: &Key, value: &str) {
+    let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
+    let _: () = redis::cmd("SET")
+        .arg(backend.record_key(key))
+        .arg(value)
+        .arg("PX")
+        .arg(HOUR.as_millis() as u64)
+        .query_async(&mut conn)
+        .await
+        .expect("plant a record");
+}
+
+/// Records the first version wrote are read, answered from, and rewritten in the new
+/// layout by the claim that changes them; a lease the first version granted is fenced.
+#[tokio::test]
+async fn records_of_the_first_layout_are_read_and_migrated() {
+    let backend = connect(standalone_config()).await;
+    let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
+    let far = server_now(&mut conn).await + 3_600_000;
+    let (done, lapsed, live) = (key("done"), key("lapsed"), key("live"));
+    plant(&backend, &done, &format!("c3,2,,{far},0,1,0,2,;wok")).await;
+    plant(&backend, &lapsed, &format!("p4,1,1,{far},0,1,0,,;w")).await;
+    plant(&backend, &live, &format!("p1,1,{far},{far},0,1,0,,;w")).await;
+
+    let rec = backend.get(&done).await.expect("get").expect("record");
+    assert_eq!(
+        (rec.state, rec.token, rec.attempts),
+        (State::Completed, 3, 2)
+    );
+    let replay = backend.claim(&claim(&done, "v")).await.expect("claim");
+    assert_eq!(replay, ClaimOutcome::Completed(Bytes::from_static(b"ok")));
+
+    let taken = acquired(backend.claim(&claim(&lapsed, "v")).await.expect("claim"));
+    assert_eq!((taken.token, taken.attempts), (5, 2));
+    let raw_value: Vec<u8> = redis::cmd("GET")
+        .arg(backend.record_key(&lapsed))
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert!(raw_value.starts_with(b"P5:1:v"), "{raw_value:?}");
+
+    let answer = backend.claim(&claim(&live, "v")).await.expect("claim");
+    assert!(
+        matches!(answer, ClaimOutcome::InProgress { .. }),
+        "{answer:?}"
+    );
+    let old = Lease {
+        key: live.clone(),
+        owner: "w".into(),
+        token: 1,
+        attempts: 1,
+        lease_until: Timestamp::from_millis(far),
+        kind: ClaimKind::First,
+    };
+    let res = backend.complete(&old, Bytes::from_static(b"x"), HOUR).await;
+    assert!(matches!(res, Err(Error::Fenced { .. })), "{res:?}");
+}
