@@ -4,19 +4,41 @@
 -- (ms). The database clock now() decides; it is fixed for the
 -- whole statement, so every condition below sees the same instant.
 --
--- `current` reads the keys without locking. A key that exists and is not claimable (a
--- duplicate, a live lease, a poisoned key, another payload) is answered from that read:
--- no row lock, no write, nothing to flush at commit. Only absent or claimable keys reach
--- the INSERT … ON CONFLICT … DO UPDATE, which checks claimability again under the row lock.
+-- `fresh` first inserts every key with ON CONFLICT DO NOTHING: a key that does not exist
+-- costs that insert and nothing else, since everything after it is driven by `rest`, the
+-- keys that conflicted, which is then empty.
+--
+-- For the rest, `current` reads the keys without locking. A key that exists and is not
+-- claimable (a duplicate, a live lease, a poisoned key, another payload) is answered from
+-- that read: no row lock, no write, nothing to flush at commit. Only claimable keys (or
+-- keys gone since `fresh` saw them) reach the INSERT … ON CONFLICT … DO UPDATE, which
+-- checks claimability again under the row lock.
 -- Written rows come back with written = true (a lapsed lease with no attempts left turns
 -- failed, claim_kind 'poisoned'); the others with written = false, and the client answers
--- from them with idem_core::machine, using now_ms.
+-- from them with idem_core::machine, using now_ms. A key that conflicted in `fresh` but is
+-- not in this statement's snapshot (a concurrent first insert that committed meanwhile)
+-- comes back not at all: the client asks again.
 WITH input AS (
     {input}
 ),
+fresh AS (
+    INSERT INTO {schema}.idem_records AS r
+        (namespace, id, state, owner, token, attempts, max_attempts, claim_kind, lease_until,
+         fingerprint, response, error, permanent, expires_at, updated_at)
+    SELECT namespace, id, 'processing', owner, 1, 1, max_attempts, 'first',
+           now() + ttl_ms * interval '1 millisecond', fingerprint, NULL, NULL, false,
+           now() + (ttl_ms + retention_ms) * interval '1 millisecond', now()
+    FROM input i
+    ON CONFLICT (namespace, id) DO NOTHING
+    RETURNING r.*
+),
+rest AS (
+    SELECT i.* FROM input i
+    WHERE NOT EXISTS (SELECT 1 FROM fresh f WHERE f.namespace = i.namespace AND f.id = i.id)
+),
 current AS (
     SELECT c.*
-    FROM input i
+    FROM rest i
     CROSS JOIN LATERAL (
         SELECT * FROM {schema}.idem_records r WHERE r.namespace = i.namespace AND r.id = i.id
     ) c
@@ -28,7 +50,7 @@ claimed AS (
     SELECT namespace, id, 'processing', owner, 1, 1, max_attempts, 'first',
            now() + ttl_ms * interval '1 millisecond', fingerprint, NULL, NULL, false,
            now() + (ttl_ms + retention_ms) * interval '1 millisecond', now()
-    FROM input i
+    FROM rest i
     WHERE NOT EXISTS (
         SELECT 1 FROM current c
         WHERE c.namespace = i.namespace AND c.id = i.id AND NOT {claimable_current}
@@ -54,6 +76,8 @@ claimed AS (
     RETURNING r.*
 ),
 answer AS (
+    SELECT true AS written, f.* FROM fresh f
+    UNION ALL
     SELECT true AS written, d.* FROM claimed d
     UNION ALL
     SELECT false AS written, c.* FROM current c

@@ -3,20 +3,21 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use idem_core::watch::Feed;
 use idem_core::{
     Backend, Capabilities, Claim, ClaimKind, ClaimOutcome, Error, FailureKind, Fingerprint, Key,
-    Lease, ListFilter, Record, Result, State, Timestamp, machine,
+    Lease, ListFilter, Record, Result, Settlement, State, Timestamp, Watch, machine,
 };
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::config::PgConfig;
-use crate::error::map;
+use crate::error::{map, within};
 use crate::sql::{ClaimStmt, Statements};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -79,7 +80,10 @@ pub struct PgBackend {
     schema: String,
     max_response_bytes: usize,
     purge_batch: i64,
-    timeout: Duration,
+    pub(crate) timeout: Duration,
+    /// The `LISTEN` feed of [`Backend::watch`], started by the first watch and shared by
+    /// clones (see `notify.rs`).
+    feed: Arc<OnceLock<Feed>>,
 }
 
 impl PgBackend {
@@ -89,7 +93,14 @@ impl PgBackend {
         let options = PgConnectOptions::from_str(&config.url)
             .map_err(|e| map(&what, e))?
             .application_name(&config.application_name);
-        let begin = restoring_begin(&options, &what).await?;
+        // The first connection is bounded too: a server that accepts and never answers
+        // is `Unavailable` after `connect_timeout`, not a hang.
+        let begin = tokio::time::timeout(config.connect_timeout, restoring_begin(&options, &what))
+            .await
+            .map_err(|_| Error::Unavailable {
+                message: format!("{what}: no answer within {:?}", config.connect_timeout),
+                source: None,
+            })??;
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(config.connect_timeout)
@@ -121,6 +132,7 @@ impl PgBackend {
             max_response_bytes: config.max_response_bytes,
             purge_batch: config.purge_batch.max(1),
             timeout: config.connect_timeout * 2,
+            feed: Arc::default(),
         })
     }
 
@@ -159,22 +171,25 @@ impl PgBackend {
         Ok(())
     }
 
+    /// `TooLarge` for a response over `max_response_bytes`.
+    pub(crate) fn check_size(&self, response: &[u8]) -> Result<()> {
+        if response.len() > self.max_response_bytes {
+            return Err(Error::TooLarge {
+                what: "response",
+                size: response.len(),
+                limit: self.max_response_bytes,
+            });
+        }
+        Ok(())
+    }
+
     /// Runs `fut` within the query timeout; a timeout is `Unavailable`.
     pub(crate) async fn timed<T>(
         &self,
         what: &str,
         fut: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T> {
-        match tokio::time::timeout(self.timeout, fut).await {
-            Ok(res) => res.map_err(|e| map(what, e)),
-            Err(_) => Err(Error::Unavailable {
-                message: format!(
-                    "{what}: no answer from PostgreSQL within {:?}",
-                    self.timeout
-                ),
-                source: None,
-            }),
-        }
+        within(what, self.timeout, fut).await
     }
 
     /// One statement for claims of distinct keys. `None` where the key was neither written
@@ -250,63 +265,6 @@ impl PgBackend {
 }
 
 impl PgBackend {
-    /// [`Backend::complete`] for many leases, each with its response and retention, in one
-    /// statement per round of distinct keys. One answer per lease, in order: `Ok` where it
-    /// completed, `Fenced` where its lease was no longer held, `TooLarge` for a response
-    /// over the limit; as if completed one after another. `Err` when the store failed.
-    pub async fn complete_many(
-        &self,
-        done: &[(Lease, Bytes, Duration)],
-    ) -> Result<Vec<Result<()>>> {
-        let mut answers: Vec<Result<()>> = Vec::with_capacity(done.len());
-        let mut pending: Vec<usize> = Vec::with_capacity(done.len());
-        for (i, (lease, response, _)) in done.iter().enumerate() {
-            if response.len() > self.max_response_bytes {
-                answers.push(Err(Error::TooLarge {
-                    what: "response",
-                    size: response.len(),
-                    limit: self.max_response_bytes,
-                }));
-            } else {
-                answers.push(Err(fenced_error(lease)));
-                pending.push(i);
-            }
-        }
-        while !pending.is_empty() {
-            let (round, rest) = distinct_round(&pending, |i| &done[i].0.key);
-            let (mut ns, mut ids, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
-            let (mut owners, mut responses, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
-            for &i in &round {
-                let (lease, response, retention) = &done[i];
-                ns.push(lease.key.namespace());
-                ids.push(lease.key.id());
-                tokens.push(i64::try_from(lease.token).unwrap_or(i64::MAX));
-                owners.push(lease.owner.as_str());
-                responses.push(response.as_ref());
-                retentions.push(millis(*retention));
-            }
-            let query = sqlx::query(self.sql.complete_many.sql())
-                .bind(ns)
-                .bind(ids)
-                .bind(tokens)
-                .bind(owners)
-                .bind(responses)
-                .bind(retentions);
-            let rows = self.timed("complete", query.fetch_all(&self.pool)).await?;
-            for row in &rows {
-                // The 1-based position of the lease in this round.
-                let n: i64 = row.try_get("n").map_err(|e| map("complete", e))?;
-                let i = usize::try_from(n - 1)
-                    .ok()
-                    .and_then(|n| round.get(n))
-                    .ok_or_else(|| Error::corrupt(format!("complete_many returned row {n}")))?;
-                answers[*i] = Ok(());
-            }
-            pending = rest;
-        }
-        Ok(answers)
-    }
-
     /// Claims with `stmt` (a claim statement), in rounds of distinct keys.
     pub(crate) async fn claim_with(
         &self,
@@ -381,7 +339,7 @@ impl Found {
 }
 
 /// Splits `pending` into the first occurrence of each key, in order, and the rest.
-fn distinct_round<'k>(
+pub(crate) fn distinct_round<'k>(
     pending: &[usize],
     key: impl Fn(usize) -> &'k Key,
 ) -> (Vec<usize>, Vec<usize>) {
@@ -487,13 +445,7 @@ impl Backend for PgBackend {
     }
 
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        if response.len() > self.max_response_bytes {
-            return Err(Error::TooLarge {
-                what: "response",
-                size: response.len(),
-                limit: self.max_response_bytes,
-            });
-        }
+        self.check_size(&response)?;
         let query = fenced(sqlx::query(self.sql.complete.sql()), lease)
             .bind(response.as_ref())
             .bind(millis(retention));
@@ -514,6 +466,22 @@ impl Backend for PgBackend {
             .bind(millis(retention));
         let done = self.timed("fail", query.execute(&self.pool)).await?;
         check_fence(done.rows_affected(), lease)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        let query = fenced(sqlx::query(self.sql.release.sql()), lease);
+        let done = self.timed("release", query.execute(&self.pool)).await?;
+        check_fence(done.rows_affected(), lease)
+    }
+
+    /// One statement per round of distinct keys (a key repeated in the batch waits for the
+    /// next round, so it is answered from the state the earlier item left).
+    async fn settle_many(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        self.settle_rounds(items, retention).await
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
@@ -571,16 +539,20 @@ impl Backend for PgBackend {
         rows.iter().map(decode).collect()
     }
 
+    async fn watch(&self, key: &Key) -> Watch {
+        let feed = self.feed.get_or_init(|| self.feed());
+        feed.watch(self.topic(key), self.timeout).await
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
-            .with_batch_claim(true)
-            .with_transactions(true)
             .with_list(true)
+            .with_notify(true)
             .with_max_response_bytes(self.max_response_bytes)
     }
 }
 
-type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+pub(crate) type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
 
 /// Binds the four parameters every fenced statement starts with: key, token, owner.
 pub(crate) fn fenced<'q>(query: PgQuery<'q>, lease: &'q Lease) -> PgQuery<'q> {

@@ -3,11 +3,15 @@
 #![deny(missing_docs)]
 
 mod backend;
+mod batch;
 mod config;
 mod error;
+mod notify;
+mod settle;
 mod sql;
 mod transactional;
 
 pub use backend::{PLANNING, PgBackend};
 pub use config::PgConfig;
-pub use transactional::{OffsetPosition, PgTransaction, StoredOffset};
+pub use idem_core::{OffsetPosition, StoredOffset};
+pub use transactional::PgTransaction;

@@ -87,6 +87,7 @@ impl Stmt {
 }
 
 const CLAIM: &str = include_str!("../sql/claim.sql");
+const SETTLE: &str = include_str!("../sql/settle_many.sql");
 
 /// The claims of `claim.sql` as arrays, one element per claim.
 const INPUT_MANY: &str = "SELECT namespace, id, owner, ttl_ms, fingerprint, \
@@ -127,7 +128,11 @@ pub(crate) struct Statements {
     pub claim_async: ClaimStmt,
     pub complete_with_offset: Stmt,
     pub complete: Stmt,
-    pub complete_many: Stmt,
+    pub settle_many: Stmt,
+    /// `settle_many` that also stores an offset (batch transactional mode).
+    pub settle_batch: Stmt,
+    pub lock_batch: Stmt,
+    pub release: Stmt,
     pub fail: Stmt,
     pub extend: Stmt,
     pub get: Stmt,
@@ -147,7 +152,10 @@ impl Statements {
             claim_async: ClaimStmt::new(ASYNC_COMMIT, schema),
             complete_with_offset: s(include_str!("../sql/complete_with_offset.sql")),
             complete: s(include_str!("../sql/complete.sql")),
-            complete_many: s(include_str!("../sql/complete_many.sql")),
+            settle_many: s(&SETTLE.replace("{offset}", "")),
+            settle_batch: s(&SETTLE.replace("{offset}", include_str!("../sql/batch_offset.sql"))),
+            lock_batch: s(include_str!("../sql/lock_batch.sql")),
+            release: s(include_str!("../sql/release.sql")),
             fail: s(include_str!("../sql/fail.sql")),
             extend: s(include_str!("../sql/extend.sql")),
             get: s(include_str!("../sql/get.sql")),

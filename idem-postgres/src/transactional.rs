@@ -8,40 +8,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use idem_core::{Backend, Claim, ClaimOutcome, Error, HandlerError, Lease, Outcome, Result};
+use idem_core::{
+    Backend, Claim, ClaimOutcome, Error, HandlerError, Lease, OffsetPosition, Outcome, Result,
+    StoredOffset, Transactional, TxFuture,
+};
 use sqlx::Row;
 
-use crate::backend::{PgBackend, check_fence, fenced, millis};
+use crate::backend::{PgBackend, PgQuery, check_fence, fenced, millis};
 
 use crate::error::map;
 
 /// The open transaction a transactional handler writes through.
 pub type PgTransaction = sqlx::Transaction<'static, sqlx::Postgres>;
-
-/// A Kafka message's position; transactional mode stores `offset + 1` as the group's next
-/// offset for the partition, in the same transaction as the record.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OffsetPosition {
-    /// The consumer group.
-    pub group: String,
-    /// The topic.
-    pub topic: String,
-    /// The partition.
-    pub partition: i32,
-    /// The message's offset.
-    pub offset: i64,
-}
-
-/// A stored next offset, for seeking on partition assignment.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredOffset {
-    /// The topic.
-    pub topic: String,
-    /// The partition.
-    pub partition: i32,
-    /// The next offset to read.
-    pub next_offset: i64,
-}
 
 impl PgBackend {
     /// Runs `handler` exactly once for `claim.key` as far as the database is concerned.
@@ -82,42 +60,20 @@ impl PgBackend {
             .await?
             .pop()
             .ok_or_else(|| Error::corrupt("claim returned no answer"))?;
-        let lease = match answer {
-            ClaimOutcome::Acquired(lease) => lease,
-            ClaimOutcome::Completed(bytes) => {
+        let lease = match acquired(answer) {
+            Ok(lease) => lease,
+            Err(replay @ Outcome::Replayed(_)) => {
                 if let Some(at) = offset {
                     self.store_offset(at).await?;
                 }
-                return Ok(Outcome::Replayed(bytes));
+                return Ok(replay);
             }
-            ClaimOutcome::InProgress { owner, lease_until } => {
-                return Ok(Outcome::InProgress { owner, lease_until });
-            }
-            ClaimOutcome::Poisoned { attempts, error } => {
-                return Ok(Outcome::Poisoned { attempts, error });
-            }
-            ClaimOutcome::Mismatch => return Ok(Outcome::Mismatch),
+            Err(outcome) => return Ok(outcome),
         };
-        // One message: the handler's statements plan with the server's own settings, not
-        // the ones idem's connections use (see `PLANNING`).
-        let begin = self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(Arc::clone(&self.begin)));
-        let mut tx = self.timed("begin", begin).await?;
-        let ran = AssertUnwindSafe(handler(&mut tx, lease.clone()))
-            .catch_unwind()
-            .await;
-        let failure = match ran {
-            Ok(Ok(response)) if response.len() > self.capabilities().max_response_bytes => {
-                HandlerError::permanent(Error::TooLarge {
-                    what: "response",
-                    size: response.len(),
-                    limit: self.capabilities().max_response_bytes,
-                })
-            }
-            Ok(Ok(response)) => return self.commit(tx, &lease, response, retention, offset).await,
-            Ok(Err(e)) => e,
-            Err(panic) => HandlerError::panicked(panic.as_ref()),
+        let mut tx = self.begin_tx().await?;
+        let failure = match self.run(handler(&mut tx, lease.clone())).await {
+            Ok(response) => return self.commit(tx, &lease, response, retention, offset).await,
+            Err(failure) => failure,
         };
         self.timed("rollback", tx.rollback()).await?;
         let kind = failure.kind();
@@ -133,6 +89,28 @@ impl PgBackend {
             kind,
             error,
         ))
+    }
+
+    /// Opens a transactional-mode transaction: the handler's statements plan with the
+    /// server's own settings, not the ones idem's connections use (see `PLANNING`).
+    pub(crate) async fn begin_tx(&self) -> Result<PgTransaction> {
+        let begin = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(Arc::clone(&self.begin)));
+        self.timed("begin", begin).await
+    }
+
+    /// Awaits a handler: its response, or its failure (an error, a panic, or a response
+    /// over `max_response_bytes`, which is permanent).
+    pub(crate) async fn run(&self, handler: TxFuture<'_>) -> Result<Bytes, HandlerError> {
+        match AssertUnwindSafe(handler).catch_unwind().await {
+            Ok(Ok(response)) => match self.check_size(&response) {
+                Ok(()) => Ok(response),
+                Err(e) => Err(HandlerError::permanent(e)),
+            },
+            Ok(Err(e)) => Err(e),
+            Err(panic) => Err(HandlerError::panicked(panic.as_ref())),
+        }
     }
 
     async fn commit(
@@ -200,7 +178,45 @@ impl PgBackend {
     }
 }
 
-type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+#[async_trait::async_trait]
+impl Transactional for PgBackend {
+    type Tx = PgTransaction;
+
+    async fn execute_in_transaction<F>(
+        &self,
+        claim: &Claim,
+        retention: Duration,
+        offset: Option<&OffsetPosition>,
+        handler: F,
+    ) -> Result<Outcome>
+    where
+        F: for<'t> FnOnce(&'t mut PgTransaction, Lease) -> TxFuture<'t> + Send,
+    {
+        PgBackend::execute_in_transaction(self, claim, retention, offset, handler).await
+    }
+
+    async fn execute_batch_in_transaction<H, O>(
+        &self,
+        claims: &[Claim],
+        retention: Duration,
+        handler: H,
+        offset: O,
+    ) -> Result<Vec<Outcome>>
+    where
+        H: for<'t> FnMut(&'t mut PgTransaction, usize, Lease) -> TxFuture<'t> + Send,
+        O: FnOnce(&[Outcome]) -> Option<OffsetPosition> + Send,
+    {
+        PgBackend::execute_batch_in_transaction(self, claims, retention, handler, offset).await
+    }
+
+    async fn store_offset(&self, at: &OffsetPosition) -> Result<()> {
+        PgBackend::store_offset(self, at).await
+    }
+
+    async fn stored_offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
+        PgBackend::stored_offsets(self, group).await
+    }
+}
 
 fn bind_offset<'q>(query: PgQuery<'q>, at: &'q OffsetPosition) -> PgQuery<'q> {
     query
@@ -208,4 +224,18 @@ fn bind_offset<'q>(query: PgQuery<'q>, at: &'q OffsetPosition) -> PgQuery<'q> {
         .bind(at.topic.as_str())
         .bind(at.partition)
         .bind(at.offset.saturating_add(1))
+}
+
+/// The lease of an acquired claim, or the outcome of one that was not: a duplicate
+/// (`Replayed`), `InProgress`, `Poisoned` or `Mismatch`.
+pub(crate) fn acquired(answer: ClaimOutcome) -> Result<Lease, Outcome> {
+    match answer {
+        ClaimOutcome::Acquired(lease) => Ok(lease),
+        ClaimOutcome::Completed(bytes) => Err(Outcome::Replayed(bytes)),
+        ClaimOutcome::InProgress { owner, lease_until } => {
+            Err(Outcome::InProgress { owner, lease_until })
+        }
+        ClaimOutcome::Poisoned { attempts, error } => Err(Outcome::Poisoned { attempts, error }),
+        ClaimOutcome::Mismatch => Err(Outcome::Mismatch),
+    }
 }

@@ -1,4 +1,4 @@
-//! Batches: `claim_many` with a key repeated, and `complete_many`, answer each item as
+//! Batches: `claim_many` with a key repeated, and `settle_many`, answer each item as
 //! if the calls were made one after another.
 
 mod common;
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use conformance::acquire;
-use idem_core::{Backend, Claim, ClaimOutcome, Error, Fingerprint, Key};
+use idem_core::{Backend, Claim, ClaimOutcome, Error, Fingerprint, Key, Settlement};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
@@ -61,7 +61,7 @@ async fn a_key_repeated_in_claim_many_is_answered_as_if_claimed_in_turn() {
 }
 
 #[tokio::test]
-async fn complete_many_answers_each_lease_as_if_completed_in_turn() {
+async fn settle_many_answers_each_lease_as_if_completed_in_turn() {
     let backend = common::backend().await;
     let a = acquire(&backend, &claim("a", "w")).await;
     let b = acquire(&backend, &claim("b", "w")).await;
@@ -70,16 +70,19 @@ async fn complete_many_answers_each_lease_as_if_completed_in_turn() {
     let big = Bytes::from(vec![b'x'; 65 * 1024]);
     let d = acquire(&backend, &claim("d", "w")).await;
     let answers = backend
-        .complete_many(&[
-            (a.clone(), Bytes::from_static(b"ra"), HOUR),
-            (b.clone(), Bytes::from_static(b"rb"), HOUR),
-            // The same lease again: completed already by the one before.
-            (a.clone(), Bytes::from_static(b"again"), HOUR),
-            (stale, Bytes::from_static(b"rc"), HOUR),
-            (d.clone(), big, HOUR),
-        ])
+        .settle_many(
+            &[
+                Settlement::complete(a.clone(), Bytes::from_static(b"ra")),
+                Settlement::complete(b.clone(), Bytes::from_static(b"rb")),
+                // The same lease again: completed already by the one before.
+                Settlement::complete(a.clone(), Bytes::from_static(b"again")),
+                Settlement::complete(stale, Bytes::from_static(b"rc")),
+                Settlement::complete(d.clone(), big),
+            ],
+            HOUR,
+        )
         .await
-        .expect("complete_many");
+        .expect("settle_many");
     assert!(answers[0].is_ok(), "{:?}", answers[0]);
     assert!(answers[1].is_ok(), "{:?}", answers[1]);
     assert!(

@@ -1,19 +1,77 @@
-//! The whole conformance suite on a real PostgreSQL (`IDEM_POSTGRES_URL`).
+//! The whole conformance suite on a real PostgreSQL (`IDEM_POSTGRES_URL`), and the failure
+//! cases of `conformance::remote_suite!`.
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
-use conformance::{Factory, Fixture};
-use idem_postgres::PgBackend;
+use conformance::{Factory, Fixture, Remote};
+use idem_core::{Key, Result};
+use idem_postgres::{PgBackend, PgConfig};
+use sqlx::AssertSqlSafe;
+
+const LEASE: Duration = Duration::from_secs(1);
+/// The connect timeout the failure cases configure, and the slack a shared two-core
+/// machine adds.
+const TIMEOUT: Duration = Duration::from_millis(500);
+const SLACK: Duration = Duration::from_secs(1);
 
 struct Postgres;
 
 impl Factory for Postgres {
     type Backend = PgBackend;
     async fn setup(&self) -> Fixture<PgBackend> {
-        Fixture::real(common::backend().await, Duration::from_secs(1))
+        Fixture::real(common::backend().await, LEASE)
+    }
+
+    async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<PgBackend>> {
+        let backend = common::backend_with(|c| c.max_connections(20).max_response_bytes(limit));
+        Some(Fixture::real(backend.await, LEASE))
+    }
+}
+
+impl Remote for Postgres {
+    /// The pool connects at once, within the connect timeout.
+    async fn connect_to(&self, addr: SocketAddr) -> Result<PgBackend> {
+        let url = format!("postgres://postgres@{addr}/test");
+        PgBackend::connect(PgConfig::new(url).connect_timeout(TIMEOUT)).await
+    }
+
+    fn unavailable_within(&self) -> Duration {
+        TIMEOUT + SLACK
+    }
+
+    /// Rows idem never writes: a fingerprint of the wrong length, a state it does not know.
+    async fn plant_corrupt(
+        &self,
+        fixture: &Fixture<PgBackend>,
+        key: &Key,
+        kind: usize,
+    ) -> Option<String> {
+        let (what, state, fingerprint) = match kind {
+            0 => ("a two-byte fingerprint", "processing", Some(vec![1u8, 2])),
+            1 => ("an unknown state", "exploded", None),
+            _ => return None,
+        };
+        let insert = format!(
+            "INSERT INTO \"{}\".idem_records (namespace, id, state, owner, token, attempts, \
+             max_attempts, claim_kind, lease_until, fingerprint, expires_at) VALUES ($1, $2, \
+             $3, 'x', 1, 1, 3, 'first', now() + interval '1 hour', $4, \
+             now() + interval '2 hours')",
+            fixture.backend.schema()
+        );
+        sqlx::query(AssertSqlSafe(insert))
+            .bind(key.namespace())
+            .bind(key.id())
+            .bind(state)
+            .bind(fingerprint)
+            .execute(fixture.backend.pool())
+            .await
+            .expect("insert a foreign row");
+        Some(what.to_owned())
     }
 }
 
 conformance::suite!(Postgres);
+conformance::remote_suite!(Postgres);

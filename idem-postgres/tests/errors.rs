@@ -1,13 +1,14 @@
-//! Bad input and a store that is down: typed errors, never a panic or a hang.
+//! Bad input and a store that is down, as far as PostgreSQL's own: typed errors, never a
+//! panic or a hang. The failures every backend shares (closed port, silent server, corrupt
+//! record, oversized response) are `conformance::remote_suite!` cases, run from
+//! `tests/conformance.rs`.
 
 mod common;
 
 use std::time::Duration;
 
-use bytes::Bytes;
-use idem_core::{Backend, Claim, ClaimOutcome, Error, Fingerprint, Key};
+use idem_core::{Backend, Claim, Error, Fingerprint, Key};
 use idem_postgres::{PgBackend, PgConfig};
-use sqlx::AssertSqlSafe;
 
 fn claim(key: &Key) -> Claim {
     Claim {
@@ -57,83 +58,6 @@ async fn a_bad_schema_name_is_refused() {
     let config = PgConfig::new(common::url()).schema("idem; drop table x");
     let res = PgBackend::connect(config).await;
     assert!(matches!(res, Err(Error::Config { .. })), "{res:?}");
-}
-
-#[tokio::test]
-async fn rows_that_are_not_idem_records_are_corrupt() {
-    let backend = common::backend().await;
-    let table = format!("\"{}\".idem_records", backend.schema());
-    let rows = [
-        ("bad-fp", "'processing'", "'\\x0102'::bytea"),
-        ("bad-state", "'exploded'", "NULL"),
-    ];
-    for (id, state, fp) in rows {
-        let insert = format!(
-            "INSERT INTO {table} (namespace, id, state, owner, token, attempts, max_attempts, \
-             claim_kind, lease_until, fingerprint, expires_at) VALUES ('ns', '{id}', {state}, \
-             'x', 1, 1, 3, 'first', now() + interval '1 hour', {fp}, now() + interval '2 hours')"
-        );
-        sqlx::query(AssertSqlSafe(insert))
-            .execute(backend.pool())
-            .await
-            .expect("insert a foreign row");
-        let key = Key::new("ns", id).expect("key");
-        let got = backend.get(&key).await;
-        assert!(
-            matches!(got, Err(Error::Corrupt { .. })),
-            "get {id}: {got:?}"
-        );
-        let claimed = backend.claim(&claim(&key)).await;
-        assert!(
-            matches!(claimed, Err(Error::Corrupt { .. })),
-            "claim {id}: {claimed:?}"
-        );
-    }
-    // Healthy keys next to corrupt ones still work.
-    let ok = Key::new("ns", "fine").expect("key");
-    assert!(matches!(
-        backend.claim(&claim(&ok)).await,
-        Ok(ClaimOutcome::Acquired(_))
-    ));
-}
-
-#[tokio::test]
-async fn an_oversized_response_is_refused_and_the_lease_still_holds() {
-    let config = PgConfig::new(common::url())
-        .schema(common::fresh_schema())
-        .max_response_bytes(1024);
-    let backend = PgBackend::connect(config).await.expect("connect");
-    backend.migrate().await.expect("migrate");
-    let key = Key::new("ns", "big").expect("key");
-    let ClaimOutcome::Acquired(lease) = backend.claim(&claim(&key)).await.expect("claim") else {
-        panic!("not acquired");
-    };
-    let res = backend
-        .complete(
-            &lease,
-            Bytes::from(vec![0u8; 1025]),
-            Duration::from_secs(60),
-        )
-        .await;
-    assert!(
-        matches!(
-            res,
-            Err(Error::TooLarge {
-                size: 1025,
-                limit: 1024,
-                ..
-            })
-        ),
-        "{res:?}"
-    );
-    backend
-        .complete(
-            &lease,
-            Bytes::from(vec![0u8; 1024]),
-            Duration::from_secs(60),
-        )
-        .await
-        .expect("at the limit");
 }
 
 #[tokio::test]

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use conformance::acquire;
-use idem_core::{Backend, Claim, Key};
+use idem_core::{Backend, Claim, ClaimOutcome, Key};
 use idem_postgres::PgBackend;
 use sqlx::AssertSqlSafe;
 
@@ -201,4 +201,54 @@ async fn a_transactional_handler_plans_with_the_servers_own_settings() {
         .await
         .expect("transaction");
     assert_eq!(*seen.lock().expect("lock"), server);
+}
+
+/// Index scans, inserted rows and updated rows of the schema's record table, so far.
+async fn writes_and_scans(backend: &PgBackend, schema: &str) -> [i64; 3] {
+    let mut out = [0; 3];
+    for (slot, column) in out.iter_mut().zip(["idx_scan", "n_tup_ins", "n_tup_upd"]) {
+        *slot = table_stat(backend, schema, column).await;
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_fresh_keys_claim_runs_the_insert_alone() {
+    let (backend, schema) = single_connection().await;
+    let mut before = writes_and_scans(&backend, &schema).await;
+    let mut delta = |after: [i64; 3]| {
+        let d = [0, 1, 2].map(|i| after[i] - before[i]);
+        before = after;
+        d
+    };
+    let lease = acquire(&backend, &claim("fresh", RETENTION)).await;
+    // The insert looks for a conflicting row once (one index scan); nothing else reads.
+    let d = delta(writes_and_scans(&backend, &schema).await);
+    assert_eq!(
+        d,
+        [1, 1, 0],
+        "[index scans, inserts, updates] of a fresh claim"
+    );
+
+    let claims: Vec<Claim> = (0..3)
+        .map(|i| claim(&format!("many{i}"), RETENTION))
+        .collect();
+    let answers = backend.claim_many(&claims).await.expect("claim_many");
+    assert!(
+        answers
+            .iter()
+            .all(|a| matches!(a, ClaimOutcome::Acquired(_)))
+    );
+    let d = delta(writes_and_scans(&backend, &schema).await);
+    assert_eq!(d, [3, 3, 0], "claim_many of three fresh keys");
+
+    // An existing key takes the full claim: it reads the row and updates it.
+    backend.release(&lease).await.expect("release");
+    delta(writes_and_scans(&backend, &schema).await);
+    acquire(&backend, &claim("fresh", RETENTION)).await;
+    let d = delta(writes_and_scans(&backend, &schema).await);
+    assert!(
+        d[0] >= 2 && d[1..] == [0, 1],
+        "a claim of an existing key: {d:?}"
+    );
 }

@@ -1,0 +1,196 @@
+//! Batch transactional mode: a poll batch's claims commit in one statement, then its
+//! handlers, completes, failures and offset commit in one transaction.
+
+use std::time::Duration;
+
+use idem_core::{
+    Claim, Error, HandlerError, Lease, OffsetPosition, Outcome, Result, Settlement, TxFuture,
+};
+
+use sqlx::AssertSqlSafe;
+
+use crate::backend::{PLANNING, PgBackend, millis};
+use crate::settle::{Round, positions};
+use crate::transactional::{PgTransaction, acquired};
+
+/// The savepoint each handler runs under. One name serves: `ROLLBACK TO` keeps it for the
+/// next handler, and after a success the next handler releases it and sets a new one.
+const SAVEPOINT: &str = "SAVEPOINT idem_item";
+const NEXT_SAVEPOINT: &str = "RELEASE SAVEPOINT idem_item; SAVEPOINT idem_item";
+const ROLLBACK: &str = "ROLLBACK TO SAVEPOINT idem_item";
+
+impl PgBackend {
+    /// [`idem_core::Transactional::execute_batch_in_transaction`] on PostgreSQL: the
+    /// claims in one statement (asynchronous commit, as for one message), then one
+    /// transaction of
+    ///
+    /// 1. one `SELECT … FOR UPDATE` of the records the batch's leases still hold, in key
+    ///    order: a lease not held any more is `Fenced` (its handler does not run); a held
+    ///    one cannot be taken over until the transaction ends;
+    /// 2. each held lease's handler under `SAVEPOINT idem_item` (one round trip per
+    ///    handler besides its own statements): an error or panic rolls back to it;
+    /// 3. one statement that completes the successes, fails the failures and stores the
+    ///    offset `offset` chose from the outcomes; then COMMIT.
+    pub async fn execute_batch_in_transaction<H, O>(
+        &self,
+        claims: &[Claim],
+        retention: Duration,
+        mut handler: H,
+        offset: O,
+    ) -> Result<Vec<Outcome>>
+    where
+        H: for<'t> FnMut(&'t mut PgTransaction, usize, Lease) -> TxFuture<'t> + Send,
+        O: FnOnce(&[Outcome]) -> Option<OffsetPosition> + Send,
+    {
+        let answers = self.claim_with(&self.sql.claim_async, claims).await?;
+        let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(claims.len());
+        let mut leases: Vec<(usize, Lease)> = Vec::new();
+        for (i, answer) in answers.into_iter().enumerate() {
+            match acquired(answer) {
+                Ok(lease) => {
+                    leases.push((i, lease));
+                    outcomes.push(None);
+                }
+                Err(outcome) => outcomes.push(Some(outcome)),
+            }
+        }
+        if leases.is_empty() {
+            let outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
+            if let Some(at) = offset(&outcomes) {
+                self.store_offset(&at).await?;
+            }
+            return Ok(outcomes);
+        }
+        // Plain BEGIN: the lock plans with idem's settings; `lock_held` then restores the
+        // server's for the handlers, and `settle_in` sets idem's again (see `PLANNING`).
+        let begin = self.timed("begin", self.pool.begin()).await?;
+        let mut tx = begin;
+        let held = self.lock_held(&mut tx, &leases).await?;
+        let mut settle: Vec<Settlement> = Vec::with_capacity(leases.len());
+        let mut savepoint = None;
+        for ((i, lease), held) in leases.into_iter().zip(held) {
+            if !held {
+                outcomes[i] = Some(Outcome::Fenced);
+                continue;
+            }
+            if let Some(sql) = savepoint.take() {
+                self.timed("savepoint", sqlx::raw_sql(sql).execute(&mut *tx))
+                    .await?;
+            }
+            match self.run(handler(&mut tx, i, lease.clone())).await {
+                Ok(response) => {
+                    outcomes[i] = Some(Outcome::Executed(response.clone()));
+                    settle.push(Settlement::complete(lease, response));
+                    savepoint = Some(NEXT_SAVEPOINT);
+                }
+                Err(failure) => {
+                    self.timed("rollback", sqlx::raw_sql(ROLLBACK).execute(&mut *tx))
+                        .await?;
+                    outcomes[i] = Some(failed(&failure, &lease, &claims[i]));
+                    settle.push(Settlement::fail(lease, failure.message(), failure.kind()));
+                }
+            }
+        }
+        let outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
+        let at = offset(&outcomes);
+        let settled = self
+            .settle_in(&mut tx, &settle, retention, at.as_ref())
+            .await?;
+        if settled != settle.len() {
+            self.timed("rollback", tx.rollback()).await?;
+            return Err(Error::corrupt(format!(
+                "a locked batch settled {settled} of {} leases",
+                settle.len()
+            )));
+        }
+        self.timed("commit", tx.commit()).await?;
+        Ok(outcomes)
+    }
+
+    /// Locks the records `leases` still hold, and sets the first savepoint (the same round
+    /// trip would not do: the lock binds parameters). Whether each lease is held, in order.
+    async fn lock_held(
+        &self,
+        tx: &mut PgTransaction,
+        leases: &[(usize, Lease)],
+    ) -> Result<Vec<bool>> {
+        let (mut ns, mut ids, mut tokens, mut owners) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (_, lease) in leases {
+            ns.push(lease.key.namespace());
+            ids.push(lease.key.id());
+            tokens.push(i64::try_from(lease.token).unwrap_or(i64::MAX));
+            owners.push(lease.owner.as_str());
+        }
+        let query = sqlx::query(self.sql.lock_batch.sql())
+            .bind(ns)
+            .bind(ids)
+            .bind(tokens)
+            .bind(owners);
+        let rows = self.timed("lock batch", query.fetch_all(&mut **tx)).await?;
+        let mut held = vec![false; leases.len()];
+        for n in positions(&rows, "lock batch")? {
+            *held
+                .get_mut(n)
+                .ok_or_else(|| Error::corrupt(format!("lock batch returned row {n}")))? = true;
+        }
+        let restore: String = self.restore_settings().map(|s| s + "; ").collect();
+        let first = AssertSqlSafe(restore + SAVEPOINT);
+        self.timed("savepoint", sqlx::raw_sql(first).execute(&mut **tx))
+            .await?;
+        Ok(held)
+    }
+
+    /// The `SET LOCAL` statements that give a transaction the server's own planner
+    /// settings (none for a backend made by `from_pool`).
+    fn restore_settings(&self) -> impl Iterator<Item = String> + '_ {
+        self.begin
+            .split("; ")
+            .filter(|s| s.starts_with("SET LOCAL"))
+            .map(str::to_owned)
+    }
+
+    /// Settles `items` (distinct keys, locked by this transaction) and stores `at`, in one
+    /// statement inside `tx`. How many items it settled.
+    async fn settle_in(
+        &self,
+        tx: &mut PgTransaction,
+        items: &[Settlement],
+        retention: Duration,
+        at: Option<&OffsetPosition>,
+    ) -> Result<usize> {
+        if self.restore_settings().next().is_some() {
+            let idem: Vec<String> = PLANNING
+                .iter()
+                .map(|(name, value)| format!("SET LOCAL {name} = {value}"))
+                .collect();
+            let idem = AssertSqlSafe(idem.join("; "));
+            self.timed("settings", sqlx::raw_sql(idem).execute(&mut **tx))
+                .await?;
+        }
+        let mut round = Round::default();
+        for item in items {
+            round.push(item, millis(retention));
+        }
+        let query = round
+            .bind(sqlx::query(self.sql.settle_batch.sql()))
+            .bind(at.map(|at| at.group.as_str()))
+            .bind(at.map(|at| at.topic.as_str()))
+            .bind(at.map(|at| at.partition))
+            .bind(at.map(|at| at.offset.saturating_add(1)));
+        let rows = self
+            .timed("settle batch", query.fetch_all(&mut **tx))
+            .await?;
+        Ok(positions(&rows, "settle batch")?.len())
+    }
+}
+
+/// The outcome of a handler that failed, once its failure is recorded.
+fn failed(failure: &HandlerError, lease: &Lease, claim: &Claim) -> Outcome {
+    Outcome::after_failure(
+        lease.attempts,
+        claim.max_attempts,
+        failure.kind(),
+        failure.message().to_owned(),
+    )
+}

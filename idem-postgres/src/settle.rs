@@ -1,0 +1,120 @@
+//! `settle_many`: complete, fail and release many leases, one statement per round of
+//! distinct keys.
+
+use std::time::Duration;
+
+use idem_core::{Error, FailureKind, Result, Settle, Settlement};
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use crate::backend::{PgBackend, PgQuery, distinct_round, fenced_error, millis};
+use crate::error::map;
+
+/// One round's parameters, one element per item, in `settle_many.sql`'s order.
+#[derive(Default)]
+pub(crate) struct Round<'a> {
+    ns: Vec<&'a str>,
+    ids: Vec<&'a str>,
+    tokens: Vec<i64>,
+    owners: Vec<&'a str>,
+    actions: Vec<&'static str>,
+    responses: Vec<Option<&'a [u8]>>,
+    errors: Vec<Option<&'a str>>,
+    permanent: Vec<bool>,
+    retentions: Vec<i64>,
+}
+
+impl<'a> Round<'a> {
+    pub(crate) fn push(&mut self, item: &'a Settlement, retention: i64) {
+        let lease = &item.lease;
+        self.ns.push(lease.key.namespace());
+        self.ids.push(lease.key.id());
+        self.tokens
+            .push(i64::try_from(lease.token).unwrap_or(i64::MAX));
+        self.owners.push(lease.owner.as_str());
+        let (action, response, error, permanent) = match &item.settle {
+            Settle::Complete(response) => ("complete", Some(response.as_ref()), None, false),
+            Settle::Fail { error, kind } => (
+                "fail",
+                None,
+                Some(error.as_str()),
+                *kind == FailureKind::Permanent,
+            ),
+            Settle::Release => ("release", None, None, false),
+        };
+        self.actions.push(action);
+        self.responses.push(response);
+        self.errors.push(error);
+        self.permanent.push(permanent);
+        self.retentions.push(retention);
+    }
+
+    /// Binds the round as `settle_many.sql`'s parameters $1 to $9.
+    pub(crate) fn bind(self, query: PgQuery<'a>) -> PgQuery<'a> {
+        query
+            .bind(self.ns)
+            .bind(self.ids)
+            .bind(self.tokens)
+            .bind(self.owners)
+            .bind(self.actions)
+            .bind(self.responses)
+            .bind(self.errors)
+            .bind(self.permanent)
+            .bind(self.retentions)
+    }
+}
+
+/// The 0-based positions a statement returned as 1-based `n`.
+pub(crate) fn positions(rows: &[PgRow], what: &str) -> Result<Vec<usize>> {
+    rows.iter()
+        .map(|row| {
+            let n: i64 = row.try_get("n").map_err(|e| map(what, e))?;
+            usize::try_from(n - 1).map_err(|_| Error::corrupt(format!("{what} returned row {n}")))
+        })
+        .collect()
+}
+
+impl PgBackend {
+    /// [`idem_core::Backend::settle_many`]: oversized responses are refused on the client;
+    /// the rest settle in one `settle_many.sql` statement per round of distinct keys, so a
+    /// repeated key is settled against the state the earlier item left.
+    pub(crate) async fn settle_rounds(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        let mut answers: Vec<Result<()>> = Vec::with_capacity(items.len());
+        let mut pending: Vec<usize> = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let size = match &item.settle {
+                Settle::Complete(response) => self.check_size(response),
+                _ => Ok(()),
+            };
+            match size {
+                Ok(()) => {
+                    answers.push(Err(fenced_error(&item.lease)));
+                    pending.push(i);
+                }
+                Err(e) => answers.push(Err(e)),
+            }
+        }
+        let retention = millis(retention);
+        while !pending.is_empty() {
+            let (round, rest) = distinct_round(&pending, |i| &items[i].lease.key);
+            let mut p = Round::default();
+            for &i in &round {
+                p.push(&items[i], retention);
+            }
+            let query = p.bind(sqlx::query(self.sql.settle_many.sql()));
+            let rows = self.timed("settle", query.fetch_all(&self.pool)).await?;
+            for n in positions(&rows, "settle")? {
+                let i = round
+                    .get(n)
+                    .ok_or_else(|| Error::corrupt(format!("settle_many returned row {n}")))?;
+                answers[*i] = Ok(());
+            }
+            pending = rest;
+        }
+        Ok(answers)
+    }
+}
