@@ -10,15 +10,17 @@ use aws_config::timeout::TimeoutConfig;
 use aws_config::{BehaviorVersion, Region};
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::config::Credentials;
+use aws_sdk_dynamodb::config::SharedHttpClient;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
+use aws_smithy_http_client::tls;
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt, stream};
 use idem_core::clock::{Clock, SystemClock};
 use idem_core::{
     Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, State, Timestamp, machine,
+    Result, Settle, Settlement, State, Timestamp, machine,
 };
 
+use crate::batch;
 use crate::config::DynamoConfig;
 use crate::error::{WriteError, sdk_error, write_error};
 use crate::expr;
@@ -71,6 +73,7 @@ impl DynamoBackend {
             .operation_timeout(config.operation_timeout())
             .build();
         let mut loader = aws_config::defaults(BehaviorVersion::latest())
+            .http_client(https_client())
             .retry_config(RetryConfig::standard().with_max_attempts(config.max_attempts()))
             .timeout_config(timeouts);
         if let Some(region) = config.region() {
@@ -98,8 +101,10 @@ impl DynamoBackend {
     }
 
     /// A backend on the table `config` names, through a client built elsewhere. The
-    /// client's own endpoint, region, credentials, retry and timeout settings apply; those
-    /// in `config` are not used.
+    /// client's own endpoint, region, credentials, retry, timeout and HTTP client settings
+    /// apply; those in `config` are not used. This crate builds the SDK without its default
+    /// HTTPS client: a client built elsewhere brings its own (`aws-config`'s default
+    /// features do, or `SdkConfig::builder().http_client(..)`).
     pub fn with_client(client: Client, config: DynamoConfig) -> Result<Self> {
         config.validate()?;
         let requests = Requests::default();
@@ -301,12 +306,13 @@ impl DynamoBackend {
         }
     }
 
-    /// A fencing `UpdateItem`: `update` applies only while `lease` holds the record.
+    /// A fencing `UpdateItem`: `update` applies only while `lease` holds the record as
+    /// `condition` ([`expr::HOLDS`] or [`expr::HOLDS_LIVE`]) judges it.
     async fn fenced_update(
         &self,
         what: &'static str,
         lease: &Lease,
-        update: &'static str,
+        (condition, update): (&'static str, &'static str),
         mut values: HashMap<String, AttributeValue>,
         size: usize,
         t: Now,
@@ -324,9 +330,9 @@ impl DynamoBackend {
             .update_item()
             .table_name(self.table())
             .set_key(Some(Self::key_value(&lease.key)))
-            .condition_expression(expr::HOLDS)
+            .condition_expression(condition)
             .update_expression(update)
-            .set_expression_attribute_names(Some(expr::names(&[expr::HOLDS, update])))
+            .set_expression_attribute_names(Some(expr::names(&[condition, update])))
             .set_expression_attribute_values(Some(values))
             .send()
             .await;
@@ -340,6 +346,53 @@ impl DynamoBackend {
                 WriteError::Other(e) => Err(e),
             },
         }
+    }
+
+    /// `settle` of `lease` as one fencing `UpdateItem`; `TooLarge` before any request for a
+    /// response or error text over `max_response_bytes`.
+    async fn settle(&self, lease: &Lease, settle: &Settle, retention: Duration) -> Result<()> {
+        let t = self.now();
+        let (what, write, values, size) = match settle {
+            Settle::Complete(response) => {
+                self.fits("response", response.len())?;
+                let mut values = HashMap::from([
+                    (":completed".to_owned(), s(State::Completed.as_str())),
+                    (":resp".to_owned(), b(response.to_vec())),
+                ]);
+                values.extend(Self::expiry(retention, t));
+                let write = (expr::HOLDS, expr::COMPLETE);
+                ("complete", write, values, response.len())
+            }
+            Settle::Fail { error, kind } => {
+                self.fits("error text", error.len())?;
+                let mut values = HashMap::from([
+                    (":failed".to_owned(), s(State::Failed.as_str())),
+                    (":err".to_owned(), s(error.as_str())),
+                ]);
+                values.extend(Self::expiry(retention, t));
+                let update = match kind {
+                    FailureKind::Retry => expr::FAIL,
+                    FailureKind::Permanent => {
+                        values.insert(":true".to_owned(), AttributeValue::Bool(true));
+                        expr::FAIL_PERMANENT
+                    }
+                };
+                ("fail", (expr::HOLDS, update), values, error.len())
+            }
+            Settle::Release => {
+                // The lease lapses at the time claims judge by, the expiry keeps its
+                // distance to the lease deadline.
+                let until = t.decide.as_millis();
+                let values = HashMap::from([
+                    (":one".to_owned(), n(1)),
+                    (":lease".to_owned(), n(until)),
+                    (":lease_s".to_owned(), n(secs_ceil(until))),
+                ]);
+                ("release", (expr::HOLDS_LIVE, expr::RELEASE), values, 0)
+            }
+        };
+        self.fenced_update(what, lease, write, values, size + ITEM_OVERHEAD, t)
+            .await
     }
 
     /// `TooLarge` if `size` bytes of `what` exceed `max_response_bytes`.
@@ -392,6 +445,17 @@ impl DynamoBackend {
     }
 }
 
+/// The SDK's HTTPS client (hyper, rustls) on ring: the SDK's default is rustls on aws-lc,
+/// whose C library takes minutes to build and whose speed a loopback or AWS round trip
+/// never shows.
+fn https_client() -> SharedHttpClient {
+    aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(
+            tls::rustls_provider::CryptoMode::Ring,
+        ))
+        .build_https()
+}
+
 #[async_trait]
 impl Backend for DynamoBackend {
     /// Atomic: one conditional write decides. Round trips: one for a new key, a duplicate,
@@ -427,43 +491,12 @@ impl Backend for DynamoBackend {
     /// Claims concurrently, at most `claim_parallelism` conditional writes in flight; claims
     /// of one key run one after another, in batch order.
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        let mut by_key: HashMap<&Key, usize> = HashMap::new();
-        for (i, claim) in claims.iter().enumerate() {
-            let g = *by_key.entry(&claim.key).or_insert_with(|| {
-                groups.push(Vec::new());
-                groups.len() - 1
-            });
-            groups[g].push(i);
-        }
-        let answered: Vec<Vec<(usize, ClaimOutcome)>> = stream::iter(groups)
-            .map(|group| async move {
-                let mut out = Vec::with_capacity(group.len());
-                for i in group {
-                    out.push((i, self.claim(&claims[i]).await?));
-                }
-                Ok::<_, Error>(out)
-            })
-            .buffer_unordered(self.inner.config.claim_parallelism())
-            .try_collect()
-            .await?;
-        let mut out: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
-        for (i, answer) in answered.into_iter().flatten() {
-            out[i] = Some(answer);
-        }
-        Ok(out.into_iter().flatten().collect())
+        let parallel = self.inner.config.claim_parallelism();
+        batch::in_key_order(claims, |c| &c.key, parallel, |c| self.claim(c)).await
     }
 
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        self.fits("response", response.len())?;
-        let t = self.now();
-        let size = response.len() + ITEM_OVERHEAD;
-        let mut values = HashMap::from([
-            (":completed".to_owned(), s(State::Completed.as_str())),
-            (":resp".to_owned(), b(response.to_vec())),
-        ]);
-        values.extend(Self::expiry(retention, t));
-        self.fenced_update("complete", lease, expr::COMPLETE, values, size, t)
+        self.settle(lease, &Settle::Complete(response), retention)
             .await
     }
 
@@ -474,23 +507,43 @@ impl Backend for DynamoBackend {
         kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        self.fits("error text", error.len())?;
-        let t = self.now();
-        let mut values = HashMap::from([
-            (":failed".to_owned(), s(State::Failed.as_str())),
-            (":err".to_owned(), s(error)),
-        ]);
-        values.extend(Self::expiry(retention, t));
-        let update = match kind {
-            FailureKind::Retry => expr::FAIL,
-            FailureKind::Permanent => {
-                values.insert(":true".to_owned(), AttributeValue::Bool(true));
-                expr::FAIL_PERMANENT
-            }
+        let settle = Settle::Fail {
+            error: error.to_owned(),
+            kind,
         };
-        let size = error.len() + ITEM_OVERHEAD;
-        self.fenced_update("fail", lease, update, values, size, t)
-            .await
+        self.settle(lease, &settle, retention).await
+    }
+
+    /// One conditional write, on the holder of a lease that is live as a claim by this
+    /// client judges it: its deadline is not yet the skew margin behind this client's clock.
+    /// The lease then lapses at that judging time, so that the next claim from this client
+    /// takes over at once.
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        self.settle(lease, &Settle::Release, Duration::ZERO).await
+    }
+
+    /// Conditional writes like [`Backend::complete`], [`Backend::fail`] and
+    /// [`Backend::release`], at most `claim_parallelism` in flight; items of one key run one
+    /// after another, in batch order.
+    async fn settle_many(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        let parallel = self.inner.config.claim_parallelism();
+        batch::in_key_order(
+            items,
+            |item| &item.lease.key,
+            parallel,
+            |item| async move {
+                match self.settle(&item.lease, &item.settle, retention).await {
+                    Ok(()) => Ok(Ok(())),
+                    Err(e @ (Error::Fenced { .. } | Error::TooLarge { .. })) => Ok(Err(e)),
+                    Err(e) => Err(e),
+                }
+            },
+        )
+        .await
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
@@ -500,7 +553,8 @@ impl Backend for DynamoBackend {
             (":lease".to_owned(), n(until.as_millis())),
             (":lease_s".to_owned(), n(secs_ceil(until.as_millis()))),
         ]);
-        self.fenced_update("extend", lease, expr::EXTEND, values, 0, t)
+        let write = (expr::HOLDS, expr::EXTEND);
+        self.fenced_update("extend", lease, write, values, 0, t)
             .await?;
         Ok(until)
     }
@@ -653,10 +707,12 @@ mod tests {
             expr::UNCHANGED,
             expr::ABSENT,
             expr::HOLDS,
+            expr::HOLDS_LIVE,
             expr::COMPLETE,
             expr::FAIL,
             expr::FAIL_PERMANENT,
             expr::EXTEND,
+            expr::RELEASE,
             expr::EXPIRED,
             expr::LIVE,
             expr::IN_NAMESPACE,

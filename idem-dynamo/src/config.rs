@@ -135,7 +135,8 @@ impl DynamoConfig {
         self
     }
 
-    /// How many conditional writes `claim_many` keeps in flight (default 16).
+    /// How many conditional writes `claim_many` and `settle_many` keep in flight (default
+    /// 16).
     pub fn with_claim_parallelism(mut self, n: usize) -> Self {
         self.claim_parallelism = n;
         self
@@ -198,7 +199,7 @@ impl DynamoConfig {
         self.max_response_bytes
     }
 
-    /// How many conditional writes `claim_many` keeps in flight.
+    /// How many conditional writes `claim_many` and `settle_many` keep in flight.
     pub fn claim_parallelism(&self) -> usize {
         self.claim_parallelism
     }

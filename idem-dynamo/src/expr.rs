@@ -38,6 +38,11 @@ pub(crate) const ABSENT: &str = "attribute_not_exists(#pk)";
 /// `machine::holds`: the lease's token and owner, `Processing`, not expired.
 pub(crate) const HOLDS: &str =
     "#tok = :tok AND #owner = :owner AND #st = :processing AND #exp_ms > :now";
+/// [`HOLDS`] under a live lease, the condition of `release`: the lease has not lapsed as a
+/// claim by this client would judge it (deadline past `:now`, the skew margin included),
+/// and an attempt is left to give back (an `extend` after a release revives the lease only).
+pub(crate) const HOLDS_LIVE: &str = "#tok = :tok AND #owner = :owner AND #st = :processing \
+     AND #exp_ms > :now AND #lease_ms > :now AND #att >= :one";
 
 /// `complete` under [`HOLDS`].
 pub(crate) const COMPLETE: &str = "SET #st = :completed, #resp = :resp, #exp_ms = :exp, \
@@ -51,6 +56,12 @@ pub(crate) const FAIL_PERMANENT: &str = "SET #st = :failed, #err = :err, #exp_ms
 /// `extend` under [`HOLDS`]: the expiry keeps its distance to the lease deadline.
 pub(crate) const EXTEND: &str = "SET #lease_ms = :lease, #exp_ms = #ret_ms + :lease, \
      #expires_at = #ret_s + :lease_s, #v = :v";
+
+/// `release` under [`HOLDS_LIVE`]: the attempt is taken back (a `Processing` item has at
+/// least one, its claim's), the lease lapses at `:lease` and the expiry keeps its distance
+/// to it, as in [`EXTEND`].
+pub(crate) const RELEASE: &str = "SET #att = #att - :one, #lease_ms = :lease, \
+     #exp_ms = #ret_ms + :lease, #expires_at = #ret_s + :lease_s, #v = :v";
 
 /// `purge_expired`'s scan filter.
 pub(crate) const EXPIRED: &str = "#exp_ms <= :now";

@@ -13,7 +13,7 @@ use conformance::acquire;
 use idem_core::clock::ManualClock;
 use idem_core::machine::lapsed_error;
 use idem_core::{
-    Backend, Claim, ClaimKind, ClaimOutcome, FailureKind, Fingerprint, Key, Timestamp,
+    Backend, Claim, ClaimKind, ClaimOutcome, FailureKind, Fingerprint, Key, Settlement, Timestamp,
 };
 use idem_dynamo::DynamoBackend;
 
@@ -254,6 +254,25 @@ async fn round_trips_per_path() {
     assert_eq!((again.token, again.kind), (1, ClaimKind::First));
     trips.step("expired item not yet removed by TTL");
 
+    let back = fresh_key("trips-back");
+    let lease = acquire(&b, &claim_of(&back, "a")).await;
+    trips.skip();
+    b.release(&lease).await.expect("release");
+    trips.step("release");
+    let after = acquire(&b, &claim_of(&back, "b")).await;
+    assert_eq!((after.kind, after.attempts), (ClaimKind::Takeover, 1));
+    trips.step("claim after a release");
+    let mut batch = Vec::new();
+    for id in ["trips-s1", "trips-s2", "trips-s3"] {
+        let lease = acquire(&b, &claim_of(&fresh_key(id), "a")).await;
+        batch.push(Settlement::complete(lease, Bytes::from_static(b"ok")));
+    }
+    batch.push(Settlement::release(after));
+    trips.skip();
+    let answers = b.settle_many(&batch, HOUR).await.expect("settle_many");
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    trips.step("settle_many of 4 keys");
+
     let expected = [
         ("first claim", 1),
         ("lost race (live lease)", 1),
@@ -267,6 +286,9 @@ async fn round_trips_per_path() {
         ("complete", 1),
         ("duplicate", 1),
         ("expired item not yet removed by TTL", 2),
+        ("release", 1),
+        ("claim after a release", 1),
+        ("settle_many of 4 keys", 4),
     ];
     assert_eq!(trips.log, expected);
 }

@@ -8,16 +8,19 @@
 //!   reference model with no skew margin.
 //!
 //! Each case gets its own namespace, which is its own key prefix, in one shared table.
+//! `real` also runs the failure cases of `conformance::remote_suite!`.
 
 mod common;
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use aws_sdk_dynamodb::types::AttributeValue;
 use bytes::Bytes;
-use conformance::{Factory, Fixture};
+use conformance::{Factory, Fixture, Remote};
 use idem_core::clock::ManualClock;
-use idem_core::{Backend, Claim, ClaimOutcome, Key, Timestamp};
+use idem_core::{Backend, Claim, ClaimOutcome, Key, Result, Timestamp};
 use idem_dynamo::{DynamoBackend, DynamoConfig};
 
 const TABLE: &str = "idem_conformance";
@@ -71,6 +74,67 @@ impl Factory for Real {
     async fn setup(&self) -> Fixture<DynamoBackend> {
         Fixture::real(connect(common::config(TABLE)).await, LEASE)
     }
+
+    async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<DynamoBackend>> {
+        let config = common::config(TABLE).with_max_response_bytes(limit);
+        Some(Fixture::real(connect(config).await, LEASE))
+    }
+}
+
+impl Remote for Real {
+    /// The client connects lazily: each call must give up on its own, within one operation
+    /// timeout of 1 s (attempts of 300 ms, at most 3).
+    async fn connect_to(&self, addr: SocketAddr) -> Result<DynamoBackend> {
+        let config = DynamoConfig::local(format!("http://{addr}"), TABLE)
+            .with_connect_timeout(Duration::from_millis(300))
+            .with_attempt_timeout(Duration::from_millis(300))
+            .with_operation_timeout(Duration::from_secs(1))
+            .with_max_attempts(3);
+        DynamoBackend::connect(config).await
+    }
+
+    /// The operation timeout, and 2 s for a loaded machine.
+    fn unavailable_within(&self) -> Duration {
+        Duration::from_secs(3)
+    }
+
+    /// Items idem never writes: attributes of the wrong type and a state it does not know,
+    /// and a `processing` item missing its deadlines.
+    async fn plant_corrupt(
+        &self,
+        fixture: &Fixture<DynamoBackend>,
+        key: &Key,
+        kind: usize,
+    ) -> Option<String> {
+        let s = |text: &str| AttributeValue::S(text.to_owned());
+        let (what, attributes) = match kind {
+            0 => (
+                "an unknown state",
+                [("st", s("dancing")), ("tok", s("not a number"))],
+            ),
+            1 => (
+                "no deadlines",
+                [
+                    ("st", s("processing")),
+                    ("tok", AttributeValue::N("1".into())),
+                ],
+            ),
+            _ => return None,
+        };
+        let pk = format!("{}/{}", key.namespace(), key.id());
+        let mut put = fixture
+            .backend
+            .client()
+            .put_item()
+            .table_name(TABLE)
+            .item("pk", s(&pk));
+        put = put.item("owner", s("w"));
+        for (name, value) in attributes {
+            put = put.item(name, value);
+        }
+        put.send().await.expect("plant a foreign item");
+        Some(what.to_owned())
+    }
 }
 
 /// A manual clock starting now (so that TTL, which runs on the server's clock, never
@@ -86,10 +150,20 @@ impl Factory for ClientClock {
         let backend = connect(config).await.with_clock(clock.clone());
         Fixture::manual(backend, clock)
     }
+
+    async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<DynamoBackend>> {
+        let clock = ManualClock::new(Timestamp::now());
+        let config = common::config(TABLE)
+            .with_clock_skew(Duration::ZERO)
+            .with_max_response_bytes(limit);
+        let backend = connect(config).await.with_clock(clock.clone());
+        Some(Fixture::manual(backend, clock))
+    }
 }
 
 mod real {
     conformance::suite!(super::Real);
+    conformance::remote_suite!(super::Real);
 }
 
 mod client_clock {
