@@ -20,12 +20,11 @@ pub type HandlerResult = std::result::Result<Bytes, HandlerError>;
 pub(crate) type DynHandler =
     Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;
 
-/// How messages are run: under a lease through the engine, or in a PostgreSQL
-/// transaction with the offset.
+/// How messages are run: under a lease through the engine, or in a transaction of a
+/// [`Transactional`](idem_core::Transactional) store with the offset.
 pub(crate) enum Mode {
     Lease(DynHandler),
-    #[cfg(feature = "postgres")]
-    Transactional(crate::transactional::Transactional),
+    Transactional(Arc<dyn crate::tx::TxStore>),
 }
 
 impl Mode {
@@ -105,22 +104,20 @@ pub(crate) struct Settings {
     pub group: String,
     pub namespace: String,
     pub key_source: KeySource,
-    pub fingerprint: bool,
     pub engine: Engine,
     pub mode: Mode,
     pub dead_letter: DeadLetterTopic,
     pub missing_key: MissingKey,
     pub partition_concurrency: Option<usize>,
+    pub in_flight: usize,
+    pub order_by: crate::OrderBy,
     pub batch_size: usize,
     pub buffer: usize,
+    pub max_bytes: usize,
     pub commit_interval: Duration,
     pub revoke_timeout: Duration,
     pub backoff: (Duration, Duration),
     pub probe: Option<Arc<dyn Probe>>,
-    /// The engine's attempt limit, for messages processed without a key.
-    pub max_attempts: u32,
-    /// The engine's lease.
-    pub lease_ttl: Duration,
 }
 
 /// Builds an [`IdemConsumer`]. Required: topics, an engine and a handler; the group comes
@@ -132,16 +129,17 @@ pub struct ConsumerBuilder {
     group: Option<String>,
     namespace: Option<String>,
     key_source: KeySource,
-    fingerprint: bool,
     engine: Option<Engine>,
     handler: Option<DynHandler>,
-    #[cfg(feature = "postgres")]
-    transactional: Option<crate::transactional::Transactional>,
+    transactional: Option<Arc<dyn crate::tx::TxStore>>,
     dead_letter: DeadLetterTopic,
     missing_key: MissingKey,
     partition_concurrency: Option<usize>,
+    in_flight: usize,
+    order_by: crate::OrderBy,
     batch_size: usize,
     buffer: Option<usize>,
+    max_bytes: Option<usize>,
     commit_interval: Duration,
     revoke_timeout: Duration,
     backoff: (Duration, Duration),
@@ -158,16 +156,17 @@ impl ConsumerBuilder {
             group: None,
             namespace: None,
             key_source: KeySource::default(),
-            fingerprint: true,
             engine: None,
             handler: None,
-            #[cfg(feature = "postgres")]
             transactional: None,
             dead_letter: DeadLetterTopic::default(),
             missing_key: MissingKey::default(),
             partition_concurrency: None,
+            in_flight: 1,
+            order_by: crate::OrderBy::default(),
             batch_size: 500,
             buffer: None,
+            max_bytes: None,
             commit_interval: Duration::from_secs(1),
             revoke_timeout: Duration::from_secs(10),
             backoff: (Duration::from_millis(20), Duration::from_secs(2)),
@@ -204,16 +203,10 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Whether a claim carries the payload's fingerprint, so a different payload under a
-    /// known key is dead-lettered as a mismatch (default on; this setting wins over the
-    /// engine's).
-    pub fn fingerprint(mut self, on: bool) -> Self {
-        self.fingerprint = on;
-        self
-    }
-
-    /// The engine, over any backend; its owner, lease, heartbeat, retention and attempts
-    /// apply.
+    /// The engine, over any backend; its owner, lease, heartbeat, retention, attempts,
+    /// fingerprint setting (a different payload under a known key is dead-lettered as a
+    /// mismatch) and wait policy (how often a partition asks again for a key another worker
+    /// holds) apply.
     pub fn engine(mut self, engine: Engine) -> Self {
         self.engine = Some(engine);
         self
@@ -231,29 +224,26 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Transactional mode over PostgreSQL, instead of [`ConsumerBuilder::handler`]: each
-    /// message's claim commits first on its own (counting the attempt), then `handler`
-    /// runs in an open transaction with the lease, and its writes, the `Completed` record
-    /// and the offset commit together. On assignment the consumer seeks to the offsets
-    /// stored in PostgreSQL. The engine, if set, gives the owner, lease, attempts and
-    /// retention; by default one over `backend` with the engine's defaults.
-    #[cfg(feature = "postgres")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-    pub fn transactional<F>(mut self, backend: idem_postgres::PgBackend, handler: F) -> Self
+    /// Transactional mode over `store` (PostgreSQL's `PgBackend`, or any
+    /// [`Transactional`](idem_core::Transactional) store), instead of
+    /// [`ConsumerBuilder::handler`]: each message's claim commits first on its own
+    /// (counting the attempt), then `handler` runs in an open transaction with the lease,
+    /// and its writes, the `Completed` record and the offset commit together. On
+    /// assignment the consumer seeks to the offsets stored there. The engine, if set, gives
+    /// the owner, lease, attempts and retention; by default one over `store` with the
+    /// engine's defaults.
+    pub fn transactional<S, F>(mut self, store: S, handler: F) -> Self
     where
-        F: for<'t> Fn(
-                Message,
-                &'t mut idem_postgres::PgTransaction,
-                idem_core::Lease,
-            ) -> BoxFuture<'t, HandlerResult>
+        S: idem_core::Transactional + 'static,
+        F: for<'t> Fn(Message, &'t mut S::Tx, idem_core::Lease) -> BoxFuture<'t, HandlerResult>
             + Send
             + Sync
             + 'static,
     {
-        self.transactional = Some(crate::transactional::Transactional {
-            backend,
+        self.transactional = Some(Arc::new(crate::tx::Bound {
+            store: Arc::new(store),
             handler: Arc::new(handler),
-        });
+        }));
         self
     }
 
@@ -283,6 +273,27 @@ impl ConsumerBuilder {
         self
     }
 
+    /// How many handlers may run at once within one partition (default 1: one at a time,
+    /// in offset order). Above one, messages with different ordering keys (see
+    /// [`ConsumerBuilder::order_by`]) run concurrently, up to `n`; messages with the same
+    /// ordering key still run one at a time in offset order, and a message whose key is
+    /// busy waits without holding up other keys. The committed offset stays one past the
+    /// longest prefix of settled messages (the low-water mark), so a slow message holds the
+    /// commit back, never the other keys' work. In transactional mode each message has its
+    /// own transaction, and the stored offset moves to the low-water mark after each
+    /// chunk instead of inside each transaction (transactions may commit out of order).
+    pub fn in_flight(mut self, n: usize) -> Self {
+        self.in_flight = n;
+        self
+    }
+
+    /// What keeps messages in order when [`ConsumerBuilder::in_flight`] is above one
+    /// (default: the idempotency key).
+    pub fn order_by(mut self, order: crate::OrderBy) -> Self {
+        self.order_by = order;
+        self
+    }
+
     /// The most messages of one partition claimed in one round trip (default 500).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
@@ -296,10 +307,32 @@ impl ConsumerBuilder {
     /// resume, so pausing sooner than librdkafka would stop fetching only adds refetches.
     /// And fetching restarts only once the fetch in flight at the pause returns (up to
     /// `fetch.wait.max.ms`, 500 ms by default): measured on MockCluster, a buffer of 4 moved
-    /// a partition about 4 messages per half second. Lower it when many partitions carry
-    /// large messages. A stalled partition is paused at once whatever this says.
+    /// a partition about 4 messages per half second. Large messages are bounded by
+    /// [`max_buffered_bytes`](Self::max_buffered_bytes) instead. A stalled partition is
+    /// paused at once whatever this says.
     pub fn max_buffered(mut self, n: usize) -> Self {
         self.buffer = Some(n);
+        self
+    }
+
+    /// The most bytes (payload, key and headers) of fetched messages the consumer holds,
+    /// across its partitions: waiting for a worker, running or settling. Past it, a
+    /// partition that receives a message while it holds some already is paused in the
+    /// client, and the paused partitions resume once the consumer holds half of it (or, one
+    /// by one, as soon as each holds nothing). The bound can be passed by about one message
+    /// per partition: a partition holding nothing always takes its next message, so one
+    /// message larger than the bound still gets through, alone.
+    ///
+    /// The default is librdkafka's own prefetch bound, `queued.max.messages.kbytes` (64 MiB
+    /// unless the client config sets it). Small messages rarely reach it: with 100-byte
+    /// messages, [`max_buffered`](Self::max_buffered) pauses each of 4 partitions first, at
+    /// about 40 MB in all; and the paused partitions resume with half the bound still
+    /// waiting, so the refetch overlaps work. Set low, it costs what any pause
+    /// costs: librdkafka drops what it prefetched for the partition and fetches it again on
+    /// resume, after the fetch in flight returns (up to `fetch.wait.max.ms`), and the poll
+    /// thread notices it may resume only between two polls (up to 50 ms).
+    pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = Some(bytes);
         self
     }
 
@@ -338,7 +371,6 @@ impl ConsumerBuilder {
 
     /// The engine and the mode, from what was set.
     fn mode(&mut self) -> Result<(Engine, Mode)> {
-        #[cfg(feature = "postgres")]
         if let Some(tx) = self.transactional.take() {
             if self.handler.is_some() {
                 return Err(Error::Config(
@@ -347,7 +379,7 @@ impl ConsumerBuilder {
             }
             let engine = match self.engine.take() {
                 Some(engine) => engine,
-                None => Engine::builder(Arc::new(tx.backend.clone())).build()?,
+                None => Engine::builder(tx.backend()).build()?,
             };
             return Ok((engine, Mode::Transactional(tx)));
         }
@@ -395,12 +427,15 @@ impl ConsumerBuilder {
             ));
         }
         let namespace = self.namespace.take().unwrap_or_else(|| group.clone());
-        Key::new(namespace.clone(), "probe")
+        Key::new(namespace.clone(), "-")
             .map_err(|e| Error::Config(format!("namespace {namespace:?}: {e}")))?;
         self.key_source.check().map_err(Error::Config)?;
         let (engine, mode) = self.mode()?;
         if self.batch_size == 0 {
             return Err(Error::Config("batch_size must be at least 1".into()));
+        }
+        if self.in_flight == 0 {
+            return Err(Error::Config("in_flight must be at least 1".into()));
         }
         if self.partition_concurrency == Some(0) {
             return Err(Error::Config(
@@ -412,6 +447,11 @@ impl ConsumerBuilder {
             return Err(Error::Config(format!(
                 "retry_backoff: first ({first:?}) must be above zero and at most max ({max:?})"
             )));
+        }
+        if self.max_bytes == Some(0) {
+            return Err(Error::Config(
+                "max_buffered_bytes must be at least 1".into(),
+            ));
         }
         if self.commit_interval.is_zero() {
             return Err(Error::Config("commit_interval must be above zero".into()));
@@ -437,11 +477,11 @@ impl ConsumerBuilder {
             }
             p
         });
-        let sample = engine.claim_for(&Key::new(namespace.clone(), "probe")?, b"");
         let buffer = self
             .buffer
             .unwrap_or_else(|| prefetch(&config))
             .max(self.batch_size);
+        let max_bytes = self.max_bytes.unwrap_or_else(|| prefetch_bytes(&config));
         let settings = Settings {
             consumer_config: config,
             producer_config,
@@ -449,20 +489,20 @@ impl ConsumerBuilder {
             group,
             namespace,
             key_source: self.key_source,
-            fingerprint: self.fingerprint,
             engine,
             mode,
             dead_letter: self.dead_letter,
             missing_key: self.missing_key,
             partition_concurrency: self.partition_concurrency,
+            in_flight: self.in_flight,
+            order_by: self.order_by,
             batch_size: self.batch_size,
             buffer,
+            max_bytes,
             commit_interval: self.commit_interval,
             revoke_timeout: self.revoke_timeout,
             backoff: self.backoff,
             probe: self.probe,
-            max_attempts: sample.max_attempts,
-            lease_ttl: sample.lease_ttl,
         };
         Ok(IdemConsumer::new(settings, self.shutdown))
     }
@@ -475,7 +515,6 @@ impl fmt::Debug for ConsumerBuilder {
             .field("group", &self.group)
             .field("namespace", &self.namespace)
             .field("key_source", &self.key_source)
-            .field("fingerprint", &self.fingerprint)
             .field("dead_letter", &self.dead_letter)
             .field("missing_key", &self.missing_key)
             .finish_non_exhaustive()
@@ -488,6 +527,15 @@ fn prefetch(config: &ClientConfig) -> usize {
         .get("queued.min.messages")
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(100_000)
+}
+
+/// librdkafka's prefetch bound in bytes: `queued.max.messages.kbytes`, default 65,536 KiB.
+fn prefetch_bytes(config: &ClientConfig) -> usize {
+    let kbytes: usize = config
+        .get("queued.max.messages.kbytes")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(65_536);
+    kbytes.saturating_mul(1024).max(1)
 }
 
 #[cfg(test)]
@@ -504,6 +552,20 @@ mod tests {
         assert_eq!(prefetch(&c), 2500);
         c.set("queued.min.messages", "lots");
         assert_eq!(prefetch(&c), 100_000);
+    }
+
+    #[test]
+    fn the_byte_bound_follows_librdkafkas_prefetch_bound() {
+        let mut c = ClientConfig::new();
+        assert_eq!(prefetch_bytes(&c), 64 << 20);
+        c.set("queued.max.messages.kbytes", "1024");
+        assert_eq!(prefetch_bytes(&c), 1 << 20);
+        c.set("queued.max.messages.kbytes", "much");
+        assert_eq!(prefetch_bytes(&c), 64 << 20);
+        let s = builder().build().unwrap();
+        assert_eq!(s.settings().max_bytes, 64 << 20);
+        let s = builder().max_buffered_bytes(5_000_000).build().unwrap();
+        assert_eq!(s.settings().max_bytes, 5_000_000);
     }
 
     fn engine() -> Engine {
@@ -550,7 +612,6 @@ mod tests {
             Some("127.0.0.1:1")
         );
         assert_eq!(s.dead_letter.for_topic("payments"), "payments.dlq");
-        assert!(s.fingerprint);
         assert_eq!(s.missing_key, MissingKey::DeadLetter);
     }
 
@@ -592,7 +653,9 @@ mod tests {
 
         assert!(config_error(builder().topics(Vec::<String>::new())).contains("topic"));
         assert!(config_error(builder().batch_size(0)).contains("batch_size"));
+        assert!(config_error(builder().max_buffered_bytes(0)).contains("max_buffered_bytes"));
         assert!(config_error(builder().partition_concurrency(0)).contains("partition_concurrency"));
+        assert!(config_error(builder().in_flight(0)).contains("in_flight"));
         let backoff = builder().retry_backoff(Duration::from_secs(2), Duration::from_secs(1));
         assert!(config_error(backoff).contains("retry_backoff"));
         let same = builder().dead_letter_topic(DeadLetterTopic::Fixed("payments".into()));

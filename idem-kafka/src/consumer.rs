@@ -18,7 +18,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
 use crate::dlq::DeadLetters;
-use crate::partition::{Worker, WorkerHandle};
+use crate::handle::{BYTES, Budget, PartitionState, WorkerHandle};
+use crate::partition::Worker;
 use crate::{ConsumerBuilder, Error, Result};
 
 /// How long one poll of the client blocks; also how quickly the poll thread notices a
@@ -76,17 +77,18 @@ impl IdemConsumer {
             .partition_concurrency
             .map(|n| Arc::new(Semaphore::new(n)));
         let shared = Arc::new(Shared {
-            settings,
             runtime: tokio::runtime::Handle::try_current()
                 .map_err(|_| Error::Config("run() needs a Tokio runtime".into()))?,
             dead_letters,
             permits,
+            budget: Budget::new(settings.max_bytes),
             workers: Mutex::new(HashMap::new()),
             consumer: OnceLock::new(),
             dead: CancellationToken::new(),
             gate: Mutex::new(()),
             dirty: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            settings,
         });
         let consumer: BaseConsumer<LoopContext> = shared
             .settings
@@ -152,6 +154,8 @@ pub(crate) struct Shared {
     pub runtime: tokio::runtime::Handle,
     pub dead_letters: DeadLetters,
     pub permits: Option<Arc<Semaphore>>,
+    /// The bytes of fetched messages held, across partitions, and their bound.
+    pub budget: Arc<Budget>,
     workers: Mutex<HashMap<Tp, WorkerHandle>>,
     consumer: OnceLock<Weak<BaseConsumer<LoopContext>>>,
     /// Cancelled at a crash: nothing is stored or committed after it.
@@ -196,7 +200,8 @@ impl Shared {
     }
 
     fn spawn_worker(self: &Arc<Self>, tp: Tp) -> WorkerHandle {
-        let (worker, handle) = Worker::new(Arc::clone(self), tp);
+        let (handle, ends) = PartitionState::create(tp.0, tp.1, Arc::clone(&self.budget));
+        let worker = Worker::new(Arc::clone(self), Arc::clone(&handle.state), ends);
         let task = self.runtime.spawn(worker.run());
         handle.with_task(task)
     }
@@ -252,13 +257,38 @@ impl Shared {
         self.lock_workers().keys().cloned().collect()
     }
 
-    /// The worker of `tp`, created if the assignment callback has not made it.
-    fn route(self: &Arc<Self>, tp: &Tp, message: &BorrowedMessage<'_>) {
+    /// Hands `message` to the worker of `tp` (created if the assignment callback has not
+    /// made it); the partition's state if that paused it for bytes.
+    fn route(
+        self: &Arc<Self>,
+        tp: &Tp,
+        message: &BorrowedMessage<'_>,
+    ) -> Option<Arc<PartitionState>> {
         let mut workers = self.lock_workers();
         let handle = workers
             .entry(tp.clone())
             .or_insert_with(|| self.spawn_worker(tp.clone()));
-        handle.send(message, self);
+        handle
+            .send(message, self)
+            .then(|| Arc::clone(&handle.state))
+    }
+
+    /// Resumes the partitions the poll thread paused for bytes (`paused`): all of them once
+    /// the consumer holds at most half its bound, and each one that holds nothing at once
+    /// (so none waits forever on partitions that hold the budget). Forgets a partition
+    /// given up meanwhile.
+    fn resume_bytes(&self, paused: &mut Vec<Arc<PartitionState>>) {
+        let below_half = self.budget.held() <= self.budget.bound / 2;
+        paused.retain(|state| {
+            if state.stop.is_cancelled() {
+                return false;
+            }
+            if below_half || state.held() == 0 {
+                state.set_pause(self, BYTES, false);
+                return false;
+            }
+            true
+        });
     }
 }
 
@@ -309,8 +339,7 @@ impl ConsumerContext for LoopContext {
         let result = match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 tracing::info!(partitions = tpl.count(), "partitions assigned");
-                #[cfg(feature = "postgres")]
-                crate::transactional::seek_to_stored(&self.shared, tpl);
+                crate::tx::seek_to_stored(&self.shared, tpl);
                 let r = if cooperative {
                     consumer.incremental_assign(tpl)
                 } else {
@@ -367,6 +396,7 @@ impl ConsumerContext for LoopContext {
 fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> Result<()> {
     let mut last_commit = Instant::now();
     let mut cache: Option<Tp> = None;
+    let mut bytes_paused: Vec<Arc<PartitionState>> = Vec::new();
     let result = loop {
         if shared.dead.is_cancelled() {
             break Ok(());
@@ -387,7 +417,11 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
                         tp
                     }
                 };
-                shared.route(&tp, &m);
+                if let Some(state) = shared.route(&tp, &m) {
+                    if !bytes_paused.iter().any(|s| Arc::ptr_eq(s, &state)) {
+                        bytes_paused.push(state);
+                    }
+                }
             }
             Some(Err(KafkaError::MessageConsumptionFatal(code))) => {
                 break Err(Error::kafka(
@@ -396,6 +430,9 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
                 ));
             }
             Some(Err(e)) => tracing::warn!(error = %e, "consumer error"),
+        }
+        if !bytes_paused.is_empty() {
+            shared.resume_bytes(&mut bytes_paused);
         }
         if last_commit.elapsed() >= shared.settings.commit_interval {
             last_commit = Instant::now();

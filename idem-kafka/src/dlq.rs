@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::ConsumerContext;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -18,12 +19,31 @@ pub const HEADER_PARTITION: &str = "idem-original-partition";
 pub const HEADER_OFFSET: &str = "idem-original-offset";
 /// Header with the idempotency key (`namespace/id`), when one was found.
 pub const HEADER_KEY: &str = "idem-key";
+/// Header with the idempotency key's namespace alone, next to [`HEADER_KEY`], so that a
+/// namespace containing `/` still splits right.
+pub const HEADER_NAMESPACE: &str = "idem-key-namespace";
 /// Header with why the message was dead-lettered ([`Reason::as_str`]).
 pub const HEADER_REASON: &str = "idem-reason";
 /// Header with the error text.
 pub const HEADER_ERROR: &str = "idem-error";
 /// Header with the attempts the handler got, in decimal (0 when it never ran).
 pub const HEADER_ATTEMPTS: &str = "idem-attempts";
+/// Header a replayed message carries: the dead letter it came from,
+/// `<dead-letter topic>/<partition>/<offset>`.
+pub const HEADER_REPLAY_OF: &str = "idem-replay-of";
+
+/// The headers idem adds to a dead letter (and takes off again when it replays one).
+pub const DEAD_LETTER_HEADERS: &[&str] = &[
+    HEADER_TOPIC,
+    HEADER_PARTITION,
+    HEADER_OFFSET,
+    HEADER_KEY,
+    HEADER_NAMESPACE,
+    HEADER_REASON,
+    HEADER_ERROR,
+    HEADER_ATTEMPTS,
+    HEADER_REPLAY_OF,
+];
 
 /// Why a message went to the dead-letter topic.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -52,6 +72,19 @@ impl Reason {
             Reason::MalformedPayload => "malformed-payload",
         }
     }
+
+    /// The reason a [`HEADER_REASON`] value names, if it names one.
+    pub fn parse(text: &str) -> Option<Reason> {
+        [
+            Reason::Poisoned,
+            Reason::Mismatch,
+            Reason::MissingKey,
+            Reason::InvalidKey,
+            Reason::MalformedPayload,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == text)
+    }
 }
 
 /// One dead letter to write.
@@ -71,6 +104,24 @@ impl ClientContext for LogContext {
     }
 }
 
+/// The dead-letter reader (`read_letters`) assigns partitions itself: no rebalances.
+impl ConsumerContext for LogContext {}
+
+/// A producer with the config's settings, whose deliveries give up after 30 s unless
+/// `message.timeout.ms` says otherwise (librdkafka's own default is 5 minutes).
+pub(crate) fn producer(
+    config: &ClientConfig,
+    context: &'static str,
+) -> Result<FutureProducer<LogContext>> {
+    let mut config = config.clone();
+    if config.get("message.timeout.ms").is_none() {
+        config.set("message.timeout.ms", "30000");
+    }
+    config
+        .create_with_context(LogContext)
+        .map_err(|e| Error::kafka(context, e))
+}
+
 pub(crate) struct DeadLetters {
     producer: FutureProducer<LogContext>,
     topic: DeadLetterTopic,
@@ -78,13 +129,7 @@ pub(crate) struct DeadLetters {
 
 impl DeadLetters {
     pub fn new(config: &ClientConfig, topic: DeadLetterTopic) -> Result<Self> {
-        let mut config = config.clone();
-        if config.get("message.timeout.ms").is_none() {
-            config.set("message.timeout.ms", "30000");
-        }
-        let producer = config
-            .create_with_context(LogContext)
-            .map_err(|e| Error::kafka("creating the dead-letter producer", e))?;
+        let producer = producer(config, "creating the dead-letter producer")?;
         Ok(DeadLetters { producer, topic })
     }
 
@@ -95,7 +140,7 @@ impl DeadLetters {
         let partition = m.partition().to_string();
         let offset = m.offset().to_string();
         let attempts = letter.attempts.to_string();
-        let key = m.key().map(ToString::to_string);
+        let key = m.key().map(|k| (k.to_string(), k.namespace()));
         let mut headers = m.raw_headers().cloned().unwrap_or_else(OwnedHeaders::new);
         let mut add = |name: &str, value: &str| {
             let h = std::mem::replace(&mut headers, OwnedHeaders::new());
@@ -107,8 +152,9 @@ impl DeadLetters {
         add(HEADER_TOPIC, m.topic());
         add(HEADER_PARTITION, &partition);
         add(HEADER_OFFSET, &offset);
-        if let Some(key) = &key {
+        if let Some((key, namespace)) = &key {
             add(HEADER_KEY, key);
+            add(HEADER_NAMESPACE, namespace);
         }
         add(HEADER_REASON, letter.reason.as_str());
         add(HEADER_ERROR, letter.error);

@@ -20,6 +20,9 @@ pub enum Error {
         #[source]
         source: KafkaError,
     },
+    /// The topic does not exist on the broker.
+    #[error("topic {0:?} does not exist")]
+    UnknownTopic(String),
     /// The idem engine or backend refused something at start-up.
     #[error(transparent)]
     Core(#[from] idem_core::Error),

@@ -6,25 +6,30 @@ mod config;
 mod consumer;
 mod dlq;
 mod error;
+mod handle;
 mod key;
+mod lanes;
+mod letters;
 mod message;
 pub mod metrics;
 mod partition;
 mod probe;
-mod run;
-mod settle;
-#[cfg(feature = "postgres")]
-mod transactional;
+mod replay;
+mod slot;
+mod tx;
 
 pub use config::{ConsumerBuilder, DeadLetterTopic, HandlerResult, MissingKey};
 pub use consumer::IdemConsumer;
 pub use dlq::{
-    HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_OFFSET, HEADER_PARTITION, HEADER_REASON,
-    HEADER_TOPIC, Reason,
+    DEAD_LETTER_HEADERS, HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_NAMESPACE,
+    HEADER_OFFSET, HEADER_PARTITION, HEADER_REASON, HEADER_REPLAY_OF, HEADER_TOPIC, Reason,
 };
 pub use error::{Error, Result};
 pub use key::{DEFAULT_KEY_HEADER, KeyFn, KeySource};
+pub use lanes::OrderBy;
+pub use letters::{DeadLetter, Selection, read_letters};
 pub use message::Message;
 pub use probe::{Point, Probe, Verdict};
+pub use replay::{Previous, REPLAY_NAMESPACE, Replay, Replayer, Reset, Sent};
 
 pub use rdkafka;

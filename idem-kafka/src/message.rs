@@ -7,6 +7,8 @@ use bytes::Bytes;
 use idem_core::Key;
 use rdkafka::message::{BorrowedMessage, Headers, Message as _, OwnedHeaders};
 
+use crate::handle::Ticket;
+
 /// One Kafka message as the handler sees it: its idempotency key, payload, headers and
 /// position. Cheap to clone.
 #[derive(Clone)]
@@ -23,12 +25,15 @@ struct Inner {
     payload: Bytes,
     headers: Option<OwnedHeaders>,
     key: Option<Key>,
+    /// The message's share of the consumer's byte budget, given back when it is dropped.
+    _ticket: Option<Ticket>,
 }
 
 impl Message {
     /// Copies what the handler needs out of a consumed message. `topic` is shared by every
-    /// message of the partition, so no string is allocated per message.
-    pub(crate) fn from_borrowed(topic: Arc<str>, m: &BorrowedMessage<'_>) -> Self {
+    /// message of the partition, so no string is allocated per message; `ticket` counts the
+    /// copy against the consumer's byte budget until the message is dropped.
+    pub(crate) fn from_borrowed(topic: Arc<str>, m: &BorrowedMessage<'_>, ticket: Ticket) -> Self {
         Message {
             inner: Arc::new(Inner {
                 topic,
@@ -39,6 +44,7 @@ impl Message {
                 payload: m.payload().map(Bytes::copy_from_slice).unwrap_or_default(),
                 headers: m.headers().map(|h| h.detach()),
                 key: None,
+                _ticket: Some(ticket),
             }),
         }
     }
@@ -70,6 +76,7 @@ impl Message {
                 payload,
                 headers,
                 key: None,
+                _ticket: None,
             }),
         }
     }
@@ -90,6 +97,8 @@ impl Message {
                     payload: i.payload.clone(),
                     headers: i.headers.clone(),
                     key: Some(key),
+                    // The first copy keeps the ticket until it is dropped.
+                    _ticket: None,
                 });
             }
         }
@@ -153,6 +162,17 @@ impl Message {
     pub fn timestamp(&self) -> Option<i64> {
         self.inner.timestamp
     }
+}
+
+/// What a consumed message weighs against the consumer's byte budget: its payload, key and
+/// headers (names and values).
+pub(crate) fn size(m: &BorrowedMessage<'_>) -> usize {
+    let headers = m.headers().map_or(0, |h| {
+        h.iter()
+            .map(|h| h.key.len() + h.value.map_or(0, <[u8]>::len))
+            .sum()
+    });
+    m.payload_len() + m.key().map_or(0, <[u8]>::len) + headers
 }
 
 impl fmt::Debug for Message {

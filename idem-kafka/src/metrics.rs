@@ -1,6 +1,6 @@
-//! The `metrics` counters the loop keeps, labelled by `topic` and `partition`.
+//! The `metrics` counters and gauge the loop keeps, labelled by `topic` and `partition`.
 
-use metrics::{Counter, counter};
+use metrics::{Counter, Gauge, counter, gauge};
 
 /// Handlers run to completion now (including keyless messages under `MissingKey::Process`).
 pub const EXECUTED: &str = "idem_kafka_executed_total";
@@ -16,6 +16,25 @@ pub const POISONED: &str = "idem_kafka_poisoned_total";
 pub const DEAD_LETTERED: &str = "idem_kafka_dead_lettered_total";
 /// Store calls that failed (each one stalls its partition until the store answers).
 pub const STORE_ERRORS: &str = "idem_kafka_store_errors_total";
+/// Gauge: handlers running now.
+pub const IN_FLIGHT: &str = "idem_kafka_in_flight";
+/// Gauge: messages settled above the low-water mark, waiting for an earlier message to
+/// settle before their offsets can be committed (key-ordered concurrency only).
+pub const LOW_WATER_LAG: &str = "idem_kafka_low_water_lag";
+
+/// Gauge: bytes (payload, key and headers) of the partition's fetched messages the
+/// consumer holds, waiting for the worker or not settled yet. Their sum over the consumer's
+/// partitions is bounded by `max_buffered_bytes`, give or take a message per partition.
+pub const BUFFERED_BYTES: &str = "idem_kafka_buffered_bytes";
+
+/// The bytes-held gauge of one partition.
+pub(crate) fn buffered_bytes(topic: &str, partition: i32) -> Gauge {
+    let labels = [
+        ("topic", topic.to_owned()),
+        ("partition", partition.to_string()),
+    ];
+    gauge!(BUFFERED_BYTES, &labels)
+}
 
 /// The counters of one partition.
 pub(crate) struct Counters {
@@ -26,6 +45,8 @@ pub(crate) struct Counters {
     pub poisoned: Counter,
     pub dead_lettered: Counter,
     pub store_errors: Counter,
+    pub in_flight: Gauge,
+    pub low_water_lag: Gauge,
 }
 
 impl Counters {
@@ -42,6 +63,8 @@ impl Counters {
             poisoned: counter!(POISONED, &labels),
             dead_lettered: counter!(DEAD_LETTERED, &labels),
             store_errors: counter!(STORE_ERRORS, &labels),
+            in_flight: gauge!(IN_FLIGHT, &labels),
+            low_water_lag: gauge!(LOW_WATER_LAG, &labels),
         }
     }
 }

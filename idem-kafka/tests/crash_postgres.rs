@@ -9,6 +9,24 @@ use std::sync::Arc;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_test_postgres_transactional() {
+    scenario(crash::Plan::default(), "PostgreSQL, transactional mode").await;
+}
+
+/// The same with 32 handlers in flight per partition (key-ordered concurrency).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_test_postgres_transactional_in_flight_32() {
+    let plan = crash::Plan {
+        in_flight: 32,
+        ..crash::Plan::default()
+    };
+    scenario(
+        plan,
+        "PostgreSQL, transactional mode, 32 in flight per partition",
+    )
+    .await;
+}
+
+async fn scenario(plan: crash::Plan, label: &str) {
     let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
     common::install_metrics();
     common::log_from_env();
@@ -17,8 +35,8 @@ async fn crash_test_postgres_transactional() {
         backend: backend.clone(),
         ledger,
     });
-    let figures = crash::run(&brokers, store, crash::Plan::default()).await;
-    crash::print("PostgreSQL, transactional mode", &figures);
+    let figures = crash::run(&brokers, store, plan).await;
+    crash::print(label, &figures);
     assert_eq!(figures.crashes, 10);
     assert_eq!(figures.effects_applied, 2000, "each payment exactly once");
     assert_eq!(figures.double_effects, 0);

@@ -11,6 +11,20 @@ use idem_redis::{RedisBackend, RedisConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_test_redis_store() {
+    scenario(crash::Plan::default(), "Redis, lease mode").await;
+}
+
+/// The same with 32 handlers in flight per partition (key-ordered concurrency).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_test_redis_store_in_flight_32() {
+    let plan = crash::Plan {
+        in_flight: 32,
+        ..crash::Plan::default()
+    };
+    scenario(plan, "Redis, lease mode, 32 in flight per partition").await;
+}
+
+async fn scenario(plan: crash::Plan, label: &str) {
     let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
     let url = conformance::service_env("IDEM_REDIS_URL");
     common::install_metrics();
@@ -19,21 +33,5 @@ async fn crash_test_redis_store() {
     let backend = RedisBackend::connect(RedisConfig::new(url).with_prefix(prefix))
         .await
         .expect("connect to IDEM_REDIS_URL");
-    let store = Arc::new(crash::LeaseStore::new(Arc::new(backend)));
-    let figures = crash::run(&brokers, store, crash::Plan::default()).await;
-    crash::print("Redis, lease mode", &figures);
-    assert_eq!(figures.crashes, 10);
-    // 400 payments were sent twice. A copy can go unreplayed only when a crash lands
-    // between its settle and its probe (then it is skipped, not lost).
-    assert!(
-        figures.duplicates_replayed >= 400 - 2 * figures.crashes as u64,
-        "{figures:?}"
-    );
-    // Every payment applied; the harness has checked each double against a lapsed lease.
-    assert!(figures.effects_applied >= 2000, "{figures:?}");
-    assert_eq!(
-        figures.effects_applied,
-        2000 + figures.double_effects,
-        "{figures:?}"
-    );
+    crash::lease_mode(&brokers, label, Arc::new(backend), plan).await;
 }

@@ -116,3 +116,209 @@ async fn transactional_mode_refuses_keyless_processing() {
     assert!(err.to_string().contains("needs a key"), "{err}");
     common::drop_schema(&pg).await;
 }
+
+/// Rows the batch tests' handler writes: which message, in which transaction, and the
+/// group's next offset that transaction saw before it stored its own.
+async fn effects_table(pg: &idem_postgres::PgBackend, ledger: &str) -> String {
+    let table = ledger.replace(".ledger", ".effects");
+    let create = format!(
+        "CREATE TABLE {table} (payment text NOT NULL, msg_offset bigint NOT NULL, \
+         txid bigint NOT NULL, stored_before bigint)"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(create))
+        .execute(pg.pool())
+        .await
+        .expect("create effects");
+    table
+}
+
+/// `(payment, msg_offset, txid, stored_before)`: one committed row.
+type Effect = (String, i64, i64, Option<i64>);
+
+/// Every committed row, by offset.
+async fn effects(pg: &idem_postgres::PgBackend, table: &str) -> Vec<Effect> {
+    let q =
+        format!("SELECT payment, msg_offset, txid, stored_before FROM {table} ORDER BY msg_offset");
+    sqlx::query_as(sqlx::AssertSqlSafe(q))
+        .fetch_all(pg.pool())
+        .await
+        .expect("read effects")
+}
+
+/// What the batch tests' handler does for a payment on its first attempt.
+#[derive(Clone, Copy, PartialEq)]
+enum First {
+    Run,
+    FailAfterWrite,
+    PanicAfterWrite,
+    Poison,
+}
+
+/// The batch tests' consumer: each handler writes its row, then behaves as `first` says
+/// on the payment's first attempt.
+fn batch_consumer(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    pg: &idem_postgres::PgBackend,
+    table: &str,
+    first: fn(&str) -> First,
+) -> idem_kafka::ConsumerBuilder {
+    let offsets = table.replace(".effects", ".idem_offsets");
+    let (table, group_name, topic_name) = (table.to_owned(), group.to_owned(), topic.to_owned());
+    builder(brokers, topic, group)
+        .commit_interval(Duration::from_millis(100))
+        .transactional(pg.clone(), move |msg, tx, lease| {
+            let insert = format!(
+                "INSERT INTO {table} (payment, msg_offset, txid, stored_before) \
+                 SELECT $1, $2, txid_current(), (SELECT next_offset FROM {offsets} \
+                 WHERE consumer_group = $3 AND topic = $4 AND partition = 0)"
+            );
+            let (group, topic) = (group_name.clone(), topic_name.clone());
+            async move {
+                let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .bind(&id)
+                    .bind(msg.offset())
+                    .bind(&group)
+                    .bind(&topic)
+                    .execute(&mut **tx)
+                    .await?;
+                if lease.attempts == 1 {
+                    match first(&id) {
+                        First::Run => {}
+                        First::FailAfterWrite => return Err(HandlerError::retry("flaky")),
+                        First::PanicAfterWrite => panic!("handler panicked on {id}"),
+                        First::Poison => return Err(HandlerError::permanent("bad payment")),
+                    }
+                }
+                Ok(Bytes::from(id))
+            }
+            .boxed()
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_poll_batch_commits_in_one_transaction_with_the_offset_past_its_last_message() {
+    let (pg, ledger) = common::postgres().await;
+    let table = effects_table(&pg, &ledger).await;
+    let topic = unique("txbatch");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = (0..60)
+        .map(|i| Out::keyed(0, &format!("p{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let group = unique("g");
+
+    let recorder = Recorder::new();
+    let consumer = batch_consumer(&brokers, &topic, &group, &pg, &table, |_| First::Run);
+    let running = start(consumer, &recorder);
+    recorder.wait_settled(60, WAIT).await;
+    running.stop().await;
+
+    let rows = effects(&pg, &table).await;
+    assert_eq!(
+        rows.iter().map(|r| r.1).collect::<Vec<_>>(),
+        (0..60).collect::<Vec<i64>>(),
+        "each message's row committed once"
+    );
+    let mut batches: std::collections::BTreeMap<i64, Vec<&Effect>> = Default::default();
+    for row in &rows {
+        batches.entry(row.2).or_default().push(row);
+    }
+    assert!(
+        batches.len() <= 60 / 4,
+        "{} transactions for 60 messages: the poll batches were not batched",
+        batches.len()
+    );
+    for rows in batches.values() {
+        let first = rows.iter().map(|r| r.1).min().expect("a batch has rows");
+        let before = rows[0].3;
+        assert!(
+            rows.iter().all(|r| r.3 == before),
+            "one transaction sees one stored offset: {rows:?}"
+        );
+        // The batch before this one stored the offset one past its last message.
+        let expected = (first > 0).then_some(first);
+        assert_eq!(
+            before, expected,
+            "stored offset seen by the batch at {first}"
+        );
+    }
+    let stored = pg.stored_offsets(&group).await.unwrap();
+    assert_eq!(
+        stored[0].next_offset, 60,
+        "past the last batch's last message"
+    );
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![60]);
+    common::drop_schema(&pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_or_panicking_handler_rolls_back_only_its_own_writes_in_a_batch() {
+    let (pg, ledger) = common::postgres().await;
+    let table = effects_table(&pg, &ledger).await;
+    let topic = unique("txfail");
+    let dlq = format!("{topic}.dlq");
+    let cluster = mock(1, &[(&topic, 1), (&dlq, 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let mut msgs: Vec<Out> = (0..30)
+        .map(|i| Out::keyed(0, &format!("p{i}"), "x"))
+        .collect();
+    msgs.push(Out::keyed(0, "p3", "x")); // offset 30: a duplicate
+    produce(&brokers, &topic, &msgs).await;
+    let group = unique("g");
+
+    let recorder = Recorder::new();
+    let consumer = batch_consumer(&brokers, &topic, &group, &pg, &table, |id| match id {
+        "p5" => First::FailAfterWrite,
+        "p12" => First::PanicAfterWrite,
+        "p20" => First::Poison,
+        _ => First::Run,
+    });
+    let running = start(consumer, &recorder);
+    recorder.wait_settled(31, WAIT).await;
+    running.stop().await;
+
+    let rows = effects(&pg, &table).await;
+    let mut counts: std::collections::HashMap<&str, usize> = Default::default();
+    for row in &rows {
+        *counts.entry(row.0.as_str()).or_default() += 1;
+    }
+    for i in 0..30 {
+        let id = format!("p{i}");
+        let want = usize::from(i != 20);
+        assert_eq!(
+            counts.get(id.as_str()).copied().unwrap_or(0),
+            want,
+            "{id}: a failed attempt's writes roll back, the retry's commit once"
+        );
+    }
+    let txids: std::collections::BTreeSet<i64> = rows.iter().map(|r| r.2).collect();
+    assert!(
+        txids.len() < rows.len() / 2,
+        "{} transactions for {} rows: not batched",
+        txids.len(),
+        rows.len()
+    );
+    for (id, state) in [
+        ("p5", State::Completed),
+        ("p12", State::Completed),
+        ("p20", State::Failed),
+    ] {
+        let rec = pg
+            .get(&Key::new(group.as_str(), id).unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(rec.state, state, "{id}");
+    }
+    let letters = common::read_all(&brokers, &dlq, 1, 1, WAIT);
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].headers["idem-original-offset"], "20");
+    let stored = pg.stored_offsets(&group).await.unwrap();
+    assert_eq!(stored[0].next_offset, 31);
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![31]);
+    common::drop_schema(&pg).await;
+}

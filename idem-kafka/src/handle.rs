@@ -1,0 +1,224 @@
+//! What the poll thread and the rebalance callbacks keep of a partition's worker: its
+//! shared state (stop, abandon, pause reasons, backlog, bytes held) and the channel that
+//! feeds it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use metrics::Gauge;
+use rdkafka::consumer::Consumer;
+use rdkafka::message::{BorrowedMessage, Message as _};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::Message;
+use crate::consumer::{Shared, tp_list};
+
+/// Pause reasons: the worker's buffer is full, the worker is stalled, or the consumer
+/// holds more bytes of fetched messages than its bound.
+pub(crate) const BACKLOG: u8 = 1;
+pub(crate) const STALL: u8 = 2;
+pub(crate) const BYTES: u8 = 4;
+
+/// The bytes of fetched messages the consumer holds (routed to a worker, and not dropped
+/// yet: waiting, running or settling), across its partitions, and their bound.
+pub(crate) struct Budget {
+    pub bound: usize,
+    held: AtomicUsize,
+}
+
+impl Budget {
+    pub fn new(bound: usize) -> Arc<Budget> {
+        Arc::new(Budget {
+            bound,
+            held: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
+}
+
+/// One message's share of the budget (payload, key and headers), given back when the
+/// message is dropped: once settled, or when its partition is given up.
+pub(crate) struct Ticket {
+    state: Arc<PartitionState>,
+    bytes: usize,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.state.held.fetch_sub(self.bytes, Ordering::Relaxed);
+        self.state
+            .budget
+            .held
+            .fetch_sub(self.bytes, Ordering::Relaxed);
+        self.state.gauge.decrement(self.bytes as f64);
+    }
+}
+
+/// A partition's state shared by its worker, the poll thread and the rebalance callback.
+pub(crate) struct PartitionState {
+    pub topic: Arc<str>,
+    pub partition: i32,
+    /// Stop dispatching (revoke, shutdown); in-flight work may finish.
+    pub stop: CancellationToken,
+    /// Give up in-flight work too (the revoke timeout passed).
+    pub abandon: CancellationToken,
+    pub backlog: AtomicUsize,
+    pause: Mutex<u8>,
+    /// Bytes of this partition's messages held, and the consumer's budget they count in.
+    held: AtomicUsize,
+    budget: Arc<Budget>,
+    gauge: Gauge,
+}
+
+impl PartitionState {
+    /// Bytes of this partition's messages held.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// Counts `bytes` of a message of this partition; says whether the partition held
+    /// anything before it.
+    fn hold(self: &Arc<Self>, bytes: usize) -> (Ticket, bool) {
+        let before = self.held.fetch_add(bytes, Ordering::Relaxed);
+        self.budget.held.fetch_add(bytes, Ordering::Relaxed);
+        self.gauge.increment(bytes as f64);
+        let ticket = Ticket {
+            state: Arc::clone(self),
+            bytes,
+        };
+        (ticket, before > 0)
+    }
+
+    /// Sets or clears one pause reason, pausing or resuming the partition in the client
+    /// when the set of reasons becomes non-empty or empty.
+    pub fn set_pause(&self, shared: &Shared, reason: u8, on: bool) {
+        let mut reasons = self.pause.lock().unwrap_or_else(|e| e.into_inner());
+        let before = *reasons;
+        if on {
+            *reasons |= reason;
+        } else {
+            *reasons &= !reason;
+        }
+        if (before == 0) == (*reasons == 0) {
+            return;
+        }
+        let Some(consumer) = shared.consumer() else {
+            return;
+        };
+        let tpl = tp_list(&self.topic, self.partition);
+        let result = if *reasons != 0 {
+            consumer.pause(&tpl)
+        } else {
+            consumer.resume(&tpl)
+        };
+        if let Err(e) = result {
+            tracing::debug!(topic = %self.topic, partition = self.partition, error = %e, "pause/resume");
+        }
+    }
+}
+
+/// What the poll thread and the callbacks keep of a worker.
+pub(crate) struct WorkerHandle {
+    pub state: Arc<PartitionState>,
+    tx: mpsc::UnboundedSender<Message>,
+    task: Option<JoinHandle<()>>,
+    /// Disconnected when the worker's task ends, however it ends.
+    done: std::sync::mpsc::Receiver<()>,
+    last_routed: i64,
+}
+
+/// What the worker keeps of its handle: the receiving ends.
+pub(crate) struct WorkerEnds {
+    pub rx: mpsc::UnboundedReceiver<Message>,
+    /// Held until the worker ends: dropping it tells the handle.
+    pub _done: std::sync::mpsc::Sender<()>,
+}
+
+impl PartitionState {
+    /// A partition's state and the handle that feeds its worker.
+    pub fn create(
+        topic: Arc<str>,
+        partition: i32,
+        budget: Arc<Budget>,
+    ) -> (WorkerHandle, WorkerEnds) {
+        let gauge = crate::metrics::buffered_bytes(&topic, partition);
+        let state = Arc::new(PartitionState {
+            topic,
+            partition,
+            stop: CancellationToken::new(),
+            abandon: CancellationToken::new(),
+            backlog: AtomicUsize::new(0),
+            pause: Mutex::new(0),
+            held: AtomicUsize::new(0),
+            budget,
+            gauge,
+        });
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let handle = WorkerHandle {
+            state,
+            tx,
+            task: None,
+            done: done_rx,
+            last_routed: i64::MIN,
+        };
+        (handle, WorkerEnds { rx, _done: done_tx })
+    }
+}
+
+impl WorkerHandle {
+    pub fn with_task(mut self, task: JoinHandle<()>) -> Self {
+        self.task = Some(task);
+        self
+    }
+
+    /// Hands `m` to the worker, pausing the partition when the worker's buffer is full, or
+    /// when the consumer holds more bytes than its bound and this partition holds some
+    /// already (so a partition holding nothing always gets its next message, however large).
+    /// Says whether it paused the partition for bytes. A message at or below one already
+    /// routed is a redelivery after a pause: dropped.
+    pub fn send(&mut self, m: &BorrowedMessage<'_>, shared: &Shared) -> bool {
+        if m.offset() <= self.last_routed {
+            return false;
+        }
+        self.last_routed = m.offset();
+        let (ticket, held_some) = self.state.hold(crate::message::size(m));
+        let message = Message::from_borrowed(Arc::clone(&self.state.topic), m, ticket);
+        // Counted before it is sent, so the worker never takes out more than was put in.
+        let n = self.state.backlog.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.tx.send(message).is_err() {
+            self.state.backlog.fetch_sub(1, Ordering::Relaxed);
+            return false;
+        }
+        if n >= shared.settings.buffer {
+            self.state.set_pause(shared, BACKLOG, true);
+        }
+        if held_some && shared.budget.held() > shared.budget.bound {
+            self.state.set_pause(shared, BYTES, true);
+            return true;
+        }
+        false
+    }
+
+    /// Waits for the worker's task to end, up to `deadline`; says whether it ended.
+    pub fn wait_until(&self, deadline: Instant) -> bool {
+        let left = deadline.saturating_duration_since(Instant::now());
+        !matches!(
+            self.done.recv_timeout(left),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        )
+    }
+
+    pub fn abort(&self) {
+        self.state.abandon.cancel();
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}

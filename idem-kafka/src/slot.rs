@@ -1,0 +1,91 @@
+//! Where a running handler future lives, so that it can move to a task of its own when its
+//! partition is given up while it runs (dropping it could cut a side effect in half).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use idem_core::HandlerError;
+use tracing::Instrument;
+
+use crate::config::HandlerResult;
+
+/// A handler future, running or gone.
+#[derive(Default)]
+pub(crate) struct Slot {
+    running: Mutex<Option<BoxFuture<'static, HandlerResult>>>,
+}
+
+impl Slot {
+    /// A slot running `fut`.
+    pub fn new(fut: BoxFuture<'static, HandlerResult>) -> Arc<Self> {
+        Arc::new(Slot {
+            running: Mutex::new(Some(fut)),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<BoxFuture<'static, HandlerResult>>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Moves a handler that is still running to a task of its own: it runs to its end, but
+    /// nothing stores its result and no heartbeat extends its lease.
+    pub fn detach(&self, runtime: &tokio::runtime::Handle, span: tracing::Span) {
+        if let Some(fut) = self.lock().take() {
+            runtime.spawn(
+                async move {
+                    let _ = fut.await;
+                    tracing::warn!(
+                        "handler finished after its partition was given up; its result is dropped"
+                    );
+                }
+                .instrument(span),
+            );
+        }
+    }
+
+    /// Polls the handler in the slot; `after` runs once when it returns and says whether
+    /// to hang there forever (a crash probe).
+    pub fn poll_with<F: FnMut() -> bool + Unpin>(self: &Arc<Self>, after: F) -> SlotFuture<F> {
+        SlotFuture {
+            slot: Arc::clone(self),
+            after,
+            hung: false,
+        }
+    }
+}
+
+/// The future of [`Slot::poll_with`].
+pub(crate) struct SlotFuture<F> {
+    slot: Arc<Slot>,
+    after: F,
+    hung: bool,
+}
+
+impl<F: FnMut() -> bool + Unpin> Future for SlotFuture<F> {
+    type Output = HandlerResult;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<HandlerResult> {
+        if self.hung {
+            return Poll::Pending;
+        }
+        let mut running = self.slot.lock();
+        let result = match running.as_mut() {
+            Some(fut) => match fut.poll_unpin(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(r) => r,
+            },
+            None => return Poll::Ready(Err(HandlerError::retry("handler was detached"))),
+        };
+        *running = None;
+        drop(running);
+        if (self.after)() {
+            self.hung = true;
+            return Poll::Pending;
+        }
+        Poll::Ready(result)
+    }
+}

@@ -1,0 +1,196 @@
+//! Transactional mode over any [`Transactional`] store: the store and the user's handler,
+//! bound together behind one object-safe trait so the loop needs no store type.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use idem_core::{Backend, Claim, Lease, OffsetPosition, Outcome, StoredOffset, Transactional};
+
+use crate::Message;
+use crate::config::HandlerResult;
+
+/// Asked after the claim and after the handler, with the message's offset; `true` means
+/// hang there (a crash probe).
+pub(crate) type Hook = Arc<dyn Fn(crate::Point, i64) -> bool + Send + Sync>;
+
+/// Picks the offset to store with a batch from its outcomes (see
+/// [`Transactional::execute_batch_in_transaction`]).
+pub(crate) type PickOffset = Box<dyn FnOnce(&[Outcome]) -> Option<OffsetPosition> + Send>;
+
+/// A transactional store with its handler bound in.
+#[async_trait]
+pub(crate) trait TxStore: Send + Sync {
+    /// The store as a plain backend, for the default engine.
+    fn backend(&self) -> Arc<dyn Backend>;
+
+    /// One message: claim, then the handler, the record and (if given) the offset in one
+    /// transaction.
+    async fn run(
+        &self,
+        claim: &Claim,
+        retention: Duration,
+        at: Option<&OffsetPosition>,
+        msg: Message,
+        hook: Hook,
+    ) -> idem_core::Result<Outcome>;
+
+    /// A run of keyed messages (`claims[i]` is `msgs[i]`'s) in one transaction: the claims
+    /// commit first, then each handler under its own savepoint, then the records and the
+    /// offset `pick` chooses, in one commit.
+    async fn run_batch(
+        &self,
+        claims: &[Claim],
+        retention: Duration,
+        msgs: Vec<Message>,
+        hook: Hook,
+        pick: PickOffset,
+    ) -> idem_core::Result<Vec<Outcome>>;
+
+    /// Stores the offset past `at` on its own.
+    async fn store_offset(&self, at: &OffsetPosition) -> idem_core::Result<()>;
+
+    /// The offsets stored for `group`.
+    async fn stored_offsets(&self, group: &str) -> idem_core::Result<Vec<StoredOffset>>;
+}
+
+/// A store and the handler the user gave for it.
+pub(crate) struct Bound<S, H> {
+    pub store: Arc<S>,
+    pub handler: Arc<H>,
+}
+
+#[async_trait]
+impl<S, H> TxStore for Bound<S, H>
+where
+    S: Transactional + 'static,
+    H: for<'t> Fn(Message, &'t mut S::Tx, Lease) -> BoxFuture<'t, HandlerResult>
+        + Send
+        + Sync
+        + 'static,
+{
+    fn backend(&self) -> Arc<dyn Backend> {
+        self.store.clone()
+    }
+
+    async fn run(
+        &self,
+        claim: &Claim,
+        retention: Duration,
+        at: Option<&OffsetPosition>,
+        msg: Message,
+        hook: Hook,
+    ) -> idem_core::Result<Outcome> {
+        let handler = Arc::clone(&self.handler);
+        self.store
+            .execute_in_transaction(claim, retention, at, move |tx, lease| {
+                probed(&*handler, msg, tx, lease, hook)
+            })
+            .await
+    }
+
+    async fn run_batch(
+        &self,
+        claims: &[Claim],
+        retention: Duration,
+        msgs: Vec<Message>,
+        hook: Hook,
+        pick: PickOffset,
+    ) -> idem_core::Result<Vec<Outcome>> {
+        let handler = &*self.handler;
+        let msgs = &msgs;
+        self.store
+            .execute_batch_in_transaction(
+                claims,
+                retention,
+                |tx, i, lease| probed(handler, msgs[i].clone(), tx, lease, Arc::clone(&hook)),
+                pick,
+            )
+            .await
+    }
+
+    async fn store_offset(&self, at: &OffsetPosition) -> idem_core::Result<()> {
+        self.store.store_offset(at).await
+    }
+
+    async fn stored_offsets(&self, group: &str) -> idem_core::Result<Vec<StoredOffset>> {
+        self.store.stored_offsets(group).await
+    }
+}
+
+/// The user's handler for `msg`, with the crash probe asked before and after it.
+fn probed<'t, S, H>(
+    handler: &H,
+    msg: Message,
+    tx: &'t mut S,
+    lease: Lease,
+    hook: Hook,
+) -> BoxFuture<'t, HandlerResult>
+where
+    H: for<'a> Fn(Message, &'a mut S, Lease) -> BoxFuture<'a, HandlerResult>,
+    S: Send,
+{
+    let offset = msg.offset();
+    if hook(crate::Point::AfterClaim, offset) {
+        return std::future::pending().boxed();
+    }
+    let run = handler(msg, tx, lease);
+    async move {
+        let result = run.await;
+        if hook(crate::Point::AfterEffect, offset) {
+            std::future::pending::<()>().await;
+        }
+        result
+    }
+    .boxed()
+}
+
+/// Sets the offsets of newly assigned partitions to those stored in the transactional
+/// store. Runs on the poll thread in the rebalance callback. If the store does not answer
+/// after a few tries, the assignment keeps Kafka's committed offsets: they are never ahead
+/// of the store's (an offset is stored in Kafka only after its transaction committed), so
+/// the worst case is a redelivery, answered by replay.
+pub(crate) fn seek_to_stored(
+    shared: &crate::consumer::Shared,
+    tpl: &mut rdkafka::TopicPartitionList,
+) {
+    let crate::config::Mode::Transactional(tx) = &shared.settings.mode else {
+        return;
+    };
+    let group = shared.settings.group.as_str();
+    let mut stored = None;
+    for attempt in 1..=3u32 {
+        match shared.runtime.block_on(tx.stored_offsets(group)) {
+            Ok(offsets) => {
+                stored = Some(offsets);
+                break;
+            }
+            Err(e) => {
+                tracing::warn!(attempt, error = %e, "reading stored offsets failed");
+                std::thread::sleep(Duration::from_millis(200) * attempt);
+            }
+        }
+    }
+    let Some(stored) = stored else {
+        tracing::error!("no stored offsets: starting from Kafka's committed offsets");
+        return;
+    };
+    for s in stored {
+        let assigned = tpl
+            .elements()
+            .iter()
+            .any(|e| e.topic() == s.topic && e.partition() == s.partition);
+        if !assigned {
+            continue;
+        }
+        let next = rdkafka::Offset::Offset(s.next_offset);
+        match tpl.set_partition_offset(&s.topic, s.partition, next) {
+            Ok(()) => {
+                tracing::debug!(topic = %s.topic, partition = s.partition, next = s.next_offset, "seek to the stored offset")
+            }
+            Err(e) => tracing::warn!(topic = %s.topic, partition = s.partition, error = %e, "seek"),
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! Key-ordered concurrency within a partition (`in_flight` above one), on librdkafka's
+//! MockCluster with the in-memory store: per-key order, every offset settled once, and
+//! offsets stored only over the settled prefix.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Out, builder, committed, engine, mock, produce, unique};
+use idem_core::{Backend, MemoryBackend, State};
+use idem_kafka::{OrderBy, Point, Probe, Verdict};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use tokio::sync::Notify;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Records what a concurrent consumer does, and checks the consumer rule at every offset
+/// store: nothing at or below the stored offset is unsettled.
+#[derive(Default)]
+struct Watch {
+    settled: Mutex<Vec<i64>>,
+    violations: Mutex<Vec<String>>,
+    notify: Notify,
+}
+
+impl Watch {
+    fn settled(&self) -> Vec<i64> {
+        self.settled.lock().expect("lock").clone()
+    }
+
+    async fn wait_settled(&self, n: usize) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let notified = self.notify.notified();
+            let have = self.settled.lock().expect("lock").len();
+            if have >= n {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                panic!("only {have} of {n} messages settled in {WAIT:?}");
+            }
+        }
+    }
+}
+
+impl Probe for Watch {
+    fn reached(&self, point: Point, _topic: &str, _partition: i32, offset: i64) -> Verdict {
+        match point {
+            Point::AfterSettle => {
+                self.settled.lock().expect("lock").push(offset);
+                self.notify.notify_waiters();
+            }
+            Point::AfterStore => {
+                let settled: BTreeSet<i64> =
+                    self.settled.lock().expect("lock").iter().copied().collect();
+                if let Some(gap) = (0..=offset).find(|o| !settled.contains(o)) {
+                    self.violations
+                        .lock()
+                        .expect("lock")
+                        .push(format!("stored {offset} while {gap} was unsettled"));
+                }
+            }
+            _ => {}
+        }
+        Verdict::Continue
+    }
+}
+
+/// What the handlers saw: per ordering key, the offsets in the order they started, and
+/// whether two of one key ever ran at once.
+#[derive(Default)]
+struct Runs {
+    started: Mutex<HashMap<String, Vec<i64>>>,
+    running: Mutex<HashMap<String, i64>>,
+    overlaps: Mutex<Vec<String>>,
+    peak: Mutex<(usize, usize)>,
+}
+
+impl Runs {
+    fn start(&self, key: &str, offset: i64) {
+        self.started
+            .lock()
+            .expect("lock")
+            .entry(key.to_owned())
+            .or_default()
+            .push(offset);
+        let mut running = self.running.lock().expect("lock");
+        if let Some(other) = running.insert(key.to_owned(), offset) {
+            self.overlaps
+                .lock()
+                .expect("lock")
+                .push(format!("{key}: {other} and {offset} at once"));
+        }
+        let mut peak = self.peak.lock().expect("lock");
+        peak.0 += 1;
+        peak.1 = peak.1.max(peak.0);
+    }
+
+    fn end(&self, key: &str) {
+        self.running.lock().expect("lock").remove(key);
+        self.peak.lock().expect("lock").0 -= 1;
+    }
+}
+
+/// One property case: messages on one partition with the given Kafka keys (the ordering
+/// key) and handler durations, each with its own idempotency key, run with `in_flight`.
+async fn run_case(keys: Vec<u8>, millis: Vec<u8>, in_flight: usize) -> Result<(), TestCaseError> {
+    let topic = unique("inflight");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| Out {
+            key: Some(format!("entity-{k}").into_bytes()),
+            ..Out::keyed(
+                0,
+                &format!("op-{i}"),
+                &format!("{}", millis[i % millis.len()]),
+            )
+        })
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let watch = Arc::new(Watch::default());
+    let runs = Arc::new(Runs::default());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let seen = runs.clone();
+    let consumer = builder(&brokers, &topic, &unique("g"))
+        .engine(engine(
+            Arc::new(MemoryBackend::new()),
+            "w1",
+            Duration::from_secs(10),
+        ))
+        .in_flight(in_flight)
+        .order_by(OrderBy::MessageKey)
+        .batch_size(16)
+        .probe(watch.clone())
+        .shutdown(stop.clone().cancelled_owned())
+        .handler(move |msg, _| {
+            let runs = seen.clone();
+            async move {
+                let key = String::from_utf8_lossy(msg.message_key().expect("key")).into_owned();
+                runs.start(&key, msg.offset());
+                let ms: u64 = String::from_utf8_lossy(msg.payload()).parse().unwrap_or(0);
+                if ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                runs.end(&key);
+                Ok(Bytes::new())
+            }
+        })
+        .build()
+        .expect("consumer");
+    let task = tokio::spawn(consumer.run());
+    watch.wait_settled(msgs.len()).await;
+    stop.cancel();
+    task.await.expect("task").expect("clean stop");
+
+    let mut settled = watch.settled();
+    settled.sort_unstable();
+    let all: Vec<i64> = (0..msgs.len() as i64).collect();
+    prop_assert_eq!(settled, all, "every offset settles exactly once");
+    let violations = watch.violations.lock().expect("lock").clone();
+    prop_assert!(
+        violations.is_empty(),
+        "consumer rule broken: {:?}",
+        violations
+    );
+    let overlaps = runs.overlaps.lock().expect("lock").clone();
+    prop_assert!(
+        overlaps.is_empty(),
+        "one key ran twice at once: {:?}",
+        overlaps
+    );
+    for (key, offsets) in runs.started.lock().expect("lock").iter() {
+        let mut sorted = offsets.clone();
+        sorted.sort_unstable();
+        prop_assert_eq!(offsets, &sorted, "{} ran out of offset order", key);
+    }
+    let peak = runs.peak.lock().expect("lock").1;
+    prop_assert!(
+        peak <= in_flight,
+        "{} handlers at once, over {}",
+        peak,
+        in_flight
+    );
+    Ok(())
+}
+
+#[test]
+fn random_keys_and_durations_keep_per_key_order_and_settle_every_offset_once() {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .unwrap_or(256)
+        .min(12);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let strategy = (
+        proptest::collection::vec(0u8..6, 1..60),
+        proptest::collection::vec(0u8..12, 1..8),
+        2usize..12,
+    );
+    let result = runner.run(&strategy, |(keys, millis, in_flight)| {
+        rt.block_on(run_case(keys, millis, in_flight))
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}
+
+/// A shutdown with handlers in flight: those that finish within the revoke timeout are
+/// settled, the committed offset stops at the first unsettled message, and leases claimed
+/// for messages that never ran are released, so the next owner runs them on their first
+/// attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_revoke_with_handlers_in_flight_commits_only_the_settled_prefix() {
+    let topic = unique("revoke");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    // Offsets 0..8: 0, 1 and 3 finish at once; 2 blocks until the gate opens; every
+    // message shares no key with another, 4..8 wait behind an in-flight bound of 4.
+    let msgs: Vec<Out> = (0..8)
+        .map(|i| Out::keyed(0, &format!("r{i}"), if i == 2 { "block" } else { "go" }))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let backend = Arc::new(MemoryBackend::new());
+    let group = unique("g");
+    let watch = Arc::new(Watch::default());
+    let gate = Arc::new(Notify::new());
+    let blocked = Arc::new(Notify::new());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (g, b) = (gate.clone(), blocked.clone());
+    let consumer = builder(&brokers, &topic, &group)
+        .engine(engine(backend.clone(), "w1", Duration::from_secs(10)))
+        .in_flight(4)
+        .revoke_timeout(Duration::from_millis(300))
+        .probe(watch.clone())
+        .shutdown(stop.clone().cancelled_owned())
+        .handler(move |msg, _| {
+            let (gate, blocked) = (g.clone(), b.clone());
+            async move {
+                if msg.payload().as_ref() == b"block" {
+                    blocked.notify_one();
+                    gate.notified().await;
+                } else if msg.offset() >= 4 {
+                    // Later messages take long enough that the shutdown finds some unrun.
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                }
+                Ok(Bytes::from_static(b"done"))
+            }
+        })
+        .build()
+        .expect("consumer");
+    let task = tokio::spawn(consumer.run());
+    blocked.notified().await;
+    watch.wait_settled(2).await;
+    stop.cancel();
+    task.await.expect("task").expect("clean stop");
+
+    let settled: BTreeSet<i64> = watch.settled().into_iter().collect();
+    assert!(settled.contains(&0) && settled.contains(&1), "{settled:?}");
+    assert!(!settled.contains(&2), "the blocked handler never settled");
+    assert_eq!(
+        committed(&brokers, &group, &topic, 1),
+        vec![2],
+        "committed up to the first unsettled message, not past it"
+    );
+    let violations = watch.violations.lock().expect("lock").clone();
+    assert!(violations.is_empty(), "{violations:?}");
+    gate.notify_waiters();
+    // Offset 7 waited for a handler slot (2, 4, 5 and 6 held all four) when the shutdown
+    // came: its lease was handed back unrun.
+    let key = idem_core::Key::new(group.as_str(), "r7").expect("key");
+    let rec = backend
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("r7 was claimed");
+    assert_eq!((rec.state, rec.attempts), (State::Processing, 0), "{rec:?}");
+    assert!(!settled.contains(&7));
+}

@@ -1,0 +1,116 @@
+//! The consumer's memory stays bounded under a backlog of large messages, on the real broker
+//! (tansu, `IDEM_KAFKA_BROKERS`). The consumer runs in a process of its own (the `backlog`
+//! example), so its peak resident memory is its own and not this process's producer.
+
+mod common;
+
+use std::process::Command;
+
+use common::{committed, create_topics, unique};
+use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+
+const PARTITIONS: i32 = 4;
+const MESSAGES: usize = 5_200;
+const SIZE: usize = 100 * 1024;
+/// The consumer's default byte bound: librdkafka's `queued.max.messages.kbytes`.
+const BOUND: f64 = (64 << 20) as f64;
+const LIMIT_KB: u64 = 150 * 1024;
+
+/// Produces `MESSAGES` messages of `SIZE` bytes, spread over the partitions, each with its
+/// own `idempotency-key` header.
+async fn produce_backlog(brokers: &str, topic: &str) {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", "20")
+        .create()
+        .expect("producer");
+    let payload = vec![b'x'; SIZE];
+    let mut pending = Vec::with_capacity(MESSAGES);
+    for i in 0..MESSAGES {
+        let id = format!("m{i}");
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "idempotency-key",
+            value: Some(id.as_bytes()),
+        });
+        let partition = i32::try_from(i).expect("index") % PARTITIONS;
+        let record = FutureRecord::<[u8], [u8]>::to(topic)
+            .payload(&payload)
+            .headers(headers)
+            .partition(partition);
+        let delivery = producer
+            .send_result(record)
+            .map_err(|(e, _)| e)
+            .expect("enqueue message");
+        pending.push(delivery);
+    }
+    for d in pending {
+        d.await.expect("delivery future").expect("delivered");
+    }
+}
+
+/// The value of `name=` in the example's output line.
+fn field(out: &str, name: &str) -> f64 {
+    out.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {out:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_of_large_messages_stays_within_the_byte_bound() {
+    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let topic = unique("memory");
+    let group = unique("g");
+    let dlq = format!("{topic}.dlq");
+    create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
+    let example = escargot::CargoBuild::new()
+        .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+        .package("idem-kafka")
+        .example("backlog")
+        .run()
+        .expect("build the backlog example");
+    let began = std::time::Instant::now();
+    produce_backlog(&brokers, &topic).await;
+    eprintln!(
+        "produced {MESSAGES} messages to {topic} in {:?}",
+        began.elapsed()
+    );
+
+    // 532 MB wait on the broker; each partition runs a 20 ms handler per message.
+    let out = Command::new(example.path())
+        .args([&brokers, &topic, &group, &MESSAGES.to_string(), "20"])
+        .output()
+        .expect("run the backlog example");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the example failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{stdout}");
+    let all = MESSAGES as f64;
+    assert_eq!(field(&stdout, "settled"), all, "every message settled");
+    assert_eq!(field(&stdout, "distinct"), all, "every key ran");
+    assert_eq!(field(&stdout, "runs"), all, "each key ran once");
+    // The gauge saw a real backlog, held near the bound: a partition may pass it by one
+    // message before it is paused.
+    let peak = field(&stdout, "peak_buffered");
+    let slack = (PARTITIONS as usize * (SIZE + 64)) as f64;
+    assert!(
+        peak >= BOUND / 2.0 && peak <= BOUND + slack,
+        "peak bytes held {peak}, bound {BOUND}"
+    );
+    let hwm = field(&stdout, "vmhwm_kb");
+    assert!(
+        hwm < LIMIT_KB as f64,
+        "peak resident memory {hwm} KiB, limit {LIMIT_KB} KiB"
+    );
+    let per = i64::try_from(MESSAGES).expect("count") / i64::from(PARTITIONS);
+    assert_eq!(
+        committed(&brokers, &group, &topic, PARTITIONS),
+        vec![per; PARTITIONS as usize],
+        "every offset committed"
+    );
+}

@@ -1,0 +1,83 @@
+//! How many store calls a poll batch costs: a `Counting` wrapper logs every call the loop
+//! makes to the in-memory store, on librdkafka's MockCluster.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Effects, Out, Recorder, builder, engine, mock, produce, start, unique};
+use conformance::Counting;
+use idem_core::MemoryBackend;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Runs a consumer of `topic` in a group of its own, over `store`, until `n` messages
+/// settled; returns the store calls it made.
+async fn consume(
+    brokers: &str,
+    topic: &str,
+    store: &Counting<MemoryBackend>,
+    n: usize,
+) -> Vec<(&'static str, usize)> {
+    let before = store.calls().len();
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let running = start(
+        builder(brokers, topic, &unique("g"))
+            .namespace("calls")
+            .engine(engine(
+                Arc::new(store.clone()),
+                "w1",
+                Duration::from_secs(30),
+            ))
+            .handler(effects.by_key()),
+        &recorder,
+    );
+    recorder.wait_settled(n, WAIT).await;
+    running.stop().await;
+    store.calls().split_off(before)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_of_fresh_keys_costs_one_claim_and_one_settle_and_a_batch_of_duplicates_one_claim()
+{
+    let topic = unique("calls");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let n = 300;
+    let msgs: Vec<Out> = (0..n)
+        .map(|i| Out::keyed(0, &format!("k{i}"), &format!("p{i}")))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let store = Counting::new(MemoryBackend::new());
+
+    let fresh = consume(&brokers, &topic, &store, n).await;
+    let claims: Vec<usize> = fresh
+        .iter()
+        .filter(|c| c.0 == "claim_many")
+        .map(|c| c.1)
+        .collect();
+    assert_eq!(
+        claims.iter().sum::<usize>(),
+        n,
+        "every message claimed once: {fresh:?}"
+    );
+    let expected: Vec<(&str, usize)> = claims
+        .iter()
+        .flat_map(|&k| [("claim_many", k), ("settle_many", k)])
+        .collect();
+    assert_eq!(
+        fresh, expected,
+        "each batch of fresh keys: one claim_many, then one settle_many of the same size"
+    );
+    assert!(claims.len() < n / 2, "messages were batched: {claims:?}");
+
+    // The same messages in another group, same namespace: every one a duplicate.
+    let again = consume(&brokers, &topic, &store, n).await;
+    assert!(
+        again.iter().all(|c| c.0 == "claim_many"),
+        "a batch of duplicates costs its claim alone: {again:?}"
+    );
+    assert_eq!(again.iter().map(|c| c.1).sum::<usize>(), n);
+}
