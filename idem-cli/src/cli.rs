@@ -38,6 +38,8 @@ pub enum Command {
     Purge(ChangeArgs),
     /// Create the store's tables: PostgreSQL migrations, or the DynamoDB table with TTL.
     Migrate(ChangeArgs),
+    /// Dead-letter topics: list their letters, send letters back to their topics.
+    Dlq(DlqArgs),
 }
 
 /// The backend of an operator command.
@@ -203,4 +205,117 @@ pub struct DemoArgs {
         value_parser = clap::builder::BoolishValueParser::new()
     )]
     pub force_double_charge: bool,
+}
+
+/// `idem dlq`.
+#[derive(Debug, Args)]
+pub struct DlqArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: DlqCommand,
+}
+
+/// The `idem dlq` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// List the letters of a dead-letter topic: where each came from, why, and the error.
+    List(DlqListArgs),
+    /// Send letters back to their original topic and partition, each letter once.
+    Replay(DlqReplayArgs),
+}
+
+/// How to reach Kafka.
+#[derive(Debug, Args)]
+pub struct KafkaArgs {
+    /// The Kafka bootstrap servers.
+    #[arg(long, env = "IDEM_KAFKA_BROKERS", value_name = "HOST:PORT,…")]
+    pub brokers: String,
+    /// A librdkafka property for the reader and the producer (security, SASL…);
+    /// repeatable.
+    #[arg(long = "kafka-config", short = 'X', value_name = "KEY=VALUE")]
+    pub kafka_config: Vec<String>,
+    /// How long to wait for the broker: each metadata request, and the next letter.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+/// Why a message was dead-lettered, as the `idem-reason` header says it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ReasonArg {
+    /// Attempts spent, or a permanent handler failure.
+    Poisoned,
+    /// The key is known with another payload.
+    Mismatch,
+    /// No key was found.
+    MissingKey,
+    /// The key found is not valid.
+    InvalidKey,
+    /// The payload could not be read by the key source.
+    MalformedPayload,
+}
+
+/// Which letters of a dead-letter topic.
+#[derive(Debug, Args)]
+pub struct LetterArgs {
+    /// The dead-letter topic (idem-kafka writes `<topic>.dlq` unless configured otherwise).
+    pub topic: String,
+    /// Only this partition of the dead-letter topic; repeatable.
+    #[arg(long, short = 'p')]
+    pub partition: Vec<i32>,
+    /// Only letters at this offset of the dead-letter topic or later.
+    #[arg(long)]
+    pub from_offset: Option<i64>,
+    /// Only letters at this offset of the dead-letter topic or earlier.
+    #[arg(long)]
+    pub to_offset: Option<i64>,
+    /// Only letters dead-lettered for this reason.
+    #[arg(long, value_enum)]
+    pub reason: Option<ReasonArg>,
+}
+
+/// `idem dlq list`.
+#[derive(Debug, Args)]
+pub struct DlqListArgs {
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    #[command(flatten)]
+    pub letters: LetterArgs,
+    /// Print JSON instead of a table (every letter, errors in full).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `idem dlq replay`.
+#[derive(Debug, Args)]
+pub struct DlqReplayArgs {
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    #[command(flatten)]
+    pub letters: LetterArgs,
+    /// The consumer's store: it keeps the replay records that make a replay happen once,
+    /// and `--reset` deletes poisoned records there.
+    #[command(flatten)]
+    pub backend: BackendArg,
+    /// Every letter of the topic (without it, a selection is required).
+    #[arg(long)]
+    pub all: bool,
+    /// Before sending a letter, delete its key's Failed (poisoned) record, so that the
+    /// consumer runs the handler again; Completed and Processing records are kept.
+    #[arg(long)]
+    pub reset: bool,
+    /// Say what would be sent, and send nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[command(flatten)]
+    pub yes: YesArg,
+    /// How long the store remembers that a letter was replayed: a second replay within it
+    /// sends nothing.
+    #[arg(long, default_value = "30days", value_parser = humantime::parse_duration)]
+    pub retention: Duration,
+    /// Letters sent at once.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub concurrency: u16,
+    /// No progress bar (it also hides itself when stderr is not a terminal).
+    #[arg(long)]
+    pub quiet: bool,
 }

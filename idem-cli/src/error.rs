@@ -44,6 +44,16 @@ pub enum Error {
         #[source]
         source: idem_core::Error,
     },
+    /// Kafka refused or did not answer.
+    #[cfg(feature = "kafka")]
+    #[error("{context}: {source}")]
+    Kafka {
+        /// What was being done.
+        context: String,
+        /// The error.
+        #[source]
+        source: idem_kafka::Error,
+    },
     /// Reading or writing a local file or the terminal failed.
     #[error("{context}: {source}")]
     Io {

@@ -7,6 +7,8 @@ mod cli;
 mod confirm;
 #[cfg(feature = "kafka")]
 mod demo;
+#[cfg(feature = "kafka")]
+mod dlq;
 mod error;
 mod ops;
 mod show;
@@ -56,6 +58,13 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Delete(a) => ops::delete(&a).await,
         Command::Purge(a) => ops::purge(&a).await,
         Command::Migrate(a) => ops::migrate(&a).await,
+        #[cfg(feature = "kafka")]
+        Command::Dlq(a) => dlq::run(a).await,
+        #[cfg(not(feature = "kafka"))]
+        Command::Dlq(_) => Err(error::Error::FeatureMissing {
+            what: "idem dlq",
+            feature: "kafka",
+        }),
     }
 }
 

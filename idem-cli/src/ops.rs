@@ -13,7 +13,7 @@ use crate::error::{Error, Result, StoreContext};
 use crate::show::{RecordView, record_text, records_table};
 use crate::target::{ConnectOptions, Store, Target};
 
-async fn open(url: &str) -> Result<(Target, Store)> {
+pub(crate) async fn open(url: &str) -> Result<(Target, Store)> {
     let target = Target::parse(url)?;
     let store = target.connect(&ConnectOptions::default()).await?;
     Ok((target, store))
@@ -27,7 +27,7 @@ async fn read(store: &Store, key: &Key) -> Result<Option<Record>> {
     store.backend().get(key).await.store(format!("read {key}"))
 }
 
-fn print_json(value: &impl serde::Serialize) -> Result<()> {
+pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(value)
         .map_err(|e| Error::Refused(format!("encode JSON: {e}")))?;
     println!("{text}");
