@@ -1,59 +1,71 @@
-//! The idem consumer loop with the in-memory store against a bare rdkafka `StreamConsumer`
-//! loop with the same commit policy (offset stored after each message is handled, async
-//! commit of stored offsets every second), on the same broker, in one run.
+//! The idem consumer loop against hand-written loops on the same broker, in one run:
+//!
+//! - `bare`: an rdkafka `StreamConsumer` loop with the same commit policy (offset stored
+//!   after each message is handled, async commit of stored offsets every second); the
+//!   ceiling for the in-memory store;
+//! - `dedup_redis`, `dedup_postgres`: the deduplication most teams write by hand, one poll
+//!   batch at a time: Redis, a pipelined `SET NX PX` of the batch's keys then a pipelined
+//!   `SET` of each result; PostgreSQL, `INSERT … ON CONFLICT DO NOTHING RETURNING` of the
+//!   batch's keys then one `UPDATE … FROM unnest` of the results. No leases, no fencing, no
+//!   crash safety: a ceiling for idem on that store, not a peer;
+//! - `tx_postgres`: the exactly-once loop a team writes by hand on PostgreSQL: per poll
+//!   batch, one transaction with one business-row insert per message (the same statement
+//!   idem's transactional handler runs) and an upsert of each partition's next offset. No
+//!   idempotency records: the ceiling for idem's transactional mode;
+//! - `idem_memory`, `idem_redis`, `idem_postgres` (lease mode),
+//!   `idem_postgres_transactional` (a one-row business insert per message; a chunk of a
+//!   poll batch per transaction) and `idem_postgres_one_per_tx` (the same with
+//!   `Transactional`'s default batch: one transaction per message, as before batching).
 //!
 //! Each iteration reads the same pre-produced topic with a fresh consumer group (so fresh
-//! idempotency keys) and counts from the first message to the last one handled; the group
-//! join is not counted. On librdkafka's MockCluster always, and on the broker at
-//! `IDEM_KAFKA_BROKERS` (tansu) when it is set.
+//! idempotency keys) and counts from the first message to the `n`-th one handled; the
+//! group join is not counted. `n` is smaller for slower stores, so every iteration takes
+//! about a second or two; each ratio compares loops over the same `n`. On librdkafka's
+//! MockCluster always, and on the broker at `IDEM_KAFKA_BROKERS` (tansu) when it is set;
+//! the store loops need `IDEM_REDIS_URL` and `IDEM_POSTGRES_URL` (`scripts/services up`).
 //!
 //! `cargo bench -p benches --bench kafka`
 
-use std::sync::atomic::{AtomicU64, Ordering};
+#[path = "support/one_per_tx.rs"]
+mod one_per_tx;
+mod support;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
-use idem_core::{Engine, MemoryBackend};
+use futures::FutureExt;
+use idem_core::{Backend, Engine, MemoryBackend};
+use idem_kafka::IdemConsumer;
 use idem_kafka::rdkafka::ClientConfig;
-use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use idem_kafka::rdkafka::client::DefaultClientContext;
 use idem_kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use idem_kafka::rdkafka::message::{Header, Headers, Message as _, OwnedHeaders};
+use idem_kafka::rdkafka::message::{BorrowedMessage, Header, Headers, Message as _, OwnedHeaders};
 use idem_kafka::rdkafka::mocking::MockCluster;
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem_kafka::{IdemConsumer, Point, Probe, Verdict};
-use tokio::sync::Notify;
+use idem_postgres::{PgBackend, PgConfig};
+use idem_redis::{RedisBackend, RedisConfig};
+use redis::aio::ConnectionManager;
+use support::{Timing, config, create_topic, median, unique};
 
 const PARTITIONS: i32 = 4;
 /// Per partition: under MockCluster's retention of about 5 MiB per partition.
 const PER_PARTITION: usize = 20_000;
 const MESSAGES: usize = PARTITIONS as usize * PER_PARTITION;
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
+/// The largest poll batch the hand-written loops take, as idem's default `batch_size`.
+const BATCH: usize = 500;
+const SCHEMA: &str = "idem_kafka_bench";
 
-fn config(brokers: &str, group: &str) -> ClientConfig {
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "6000")
-        .set("fetch.queue.backoff.ms", "10");
-    c
-}
-
-fn unique(prefix: &str) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{prefix}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-/// What both loops do per message besides their bookkeeping: read the key, answer.
+/// What every loop does per message besides its bookkeeping: read the key, answer.
 fn handle(key: Option<&[u8]>) -> Bytes {
     Bytes::from(format!("ok {}", key.map_or(0, <[u8]>::len)))
+}
+
+fn header_key<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m [u8]> {
+    m.headers()
+        .and_then(|h| h.iter().find(|h| h.key == "idempotency-key"))
+        .and_then(|h| h.value)
 }
 
 async fn produce(brokers: &str, topic: &str) {
@@ -88,25 +100,39 @@ async fn produce(brokers: &str, topic: &str) {
     }
 }
 
-/// The bare loop: `StreamConsumer::recv`, the handler, `store_offset_from_message`, an
-/// async commit every second. Returns the time from the first message to the last.
-async fn bare(brokers: &str, topic: &str) -> Duration {
-    let consumer: StreamConsumer = config(brokers, &unique("bare"))
+/// A hand-written consumer: manual offset store, async commit every second.
+fn stream_consumer(brokers: &str, topic: &str, prefix: &str) -> StreamConsumer {
+    let consumer: StreamConsumer = config(brokers, &unique(prefix))
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .create()
         .expect("consumer");
     consumer.subscribe(&[topic]).expect("subscribe");
+    consumer
+}
+
+/// The next poll batch: one message, waited for, then whatever is ready, up to `BATCH`.
+async fn poll_batch(consumer: &StreamConsumer) -> Vec<BorrowedMessage<'_>> {
+    let mut batch = vec![consumer.recv().await.expect("message")];
+    while batch.len() < BATCH {
+        match consumer.recv().now_or_never() {
+            Some(Ok(m)) => batch.push(m),
+            _ => break,
+        }
+    }
+    batch
+}
+
+/// The bare loop: `recv`, the handler, `store_offset_from_message`, an async commit every
+/// second. Returns the time from the first message to the `n`-th.
+async fn bare(brokers: &str, topic: &str, n: usize) -> Duration {
+    let consumer = stream_consumer(brokers, topic, "bare");
     let mut first = None;
     let mut last_commit = Instant::now();
-    for _ in 0..MESSAGES {
+    for _ in 0..n {
         let m = consumer.recv().await.expect("message");
         first.get_or_insert_with(Instant::now);
-        let key = m
-            .headers()
-            .and_then(|h| h.iter().find(|h| h.key == "idempotency-key"))
-            .and_then(|h| h.value);
-        std::hint::black_box(handle(key));
+        std::hint::black_box(handle(header_key(&m)));
         consumer.store_offset_from_message(&m).expect("store");
         if last_commit.elapsed() >= COMMIT_EVERY {
             last_commit = Instant::now();
@@ -118,83 +144,243 @@ async fn bare(brokers: &str, topic: &str) -> Duration {
     took
 }
 
-/// Counts settled messages and notes when the first claim started.
-struct Timing {
-    first: Mutex<Option<Instant>>,
-    settled: AtomicU64,
-    done: Notify,
+/// The store side of a hand-written deduplicating loop.
+enum Dedup {
+    Redis(ConnectionManager),
+    Postgres(sqlx::PgPool),
 }
 
-impl Probe for Timing {
-    fn reached(&self, point: Point, _: &str, _: i32, _: i64) -> Verdict {
-        match point {
-            Point::BeforeClaim => {
-                let mut first = self.first.lock().unwrap_or_else(|e| e.into_inner());
-                first.get_or_insert_with(Instant::now);
+impl Dedup {
+    /// Marks the batch's keys taken; returns which were new.
+    async fn mark(&mut self, keys: &[String]) -> Vec<bool> {
+        match self {
+            Dedup::Redis(conn) => {
+                let mut pipe = redis::pipe();
+                for key in keys {
+                    pipe.cmd("SET")
+                        .arg(key)
+                        .arg("p")
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(30_000);
+                }
+                let replies: Vec<Option<String>> = pipe.query_async(conn).await.expect("SET NX");
+                replies.iter().map(Option::is_some).collect()
             }
-            Point::AfterSettle
-                if self.settled.fetch_add(1, Ordering::Relaxed) + 1 == MESSAGES as u64 =>
-            {
-                self.done.notify_one();
+            Dedup::Postgres(pool) => {
+                let q = format!(
+                    "INSERT INTO {SCHEMA}.dedup (k) SELECT unnest($1::text[]) \
+                     ON CONFLICT DO NOTHING RETURNING k"
+                );
+                let new: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(q))
+                    .bind(keys)
+                    .fetch_all(&*pool)
+                    .await
+                    .expect("insert");
+                let new: std::collections::HashSet<String> =
+                    new.into_iter().map(|(k,)| k).collect();
+                keys.iter().map(|k| new.contains(k)).collect()
             }
-            _ => {}
         }
-        Verdict::Continue
+    }
+
+    /// Stores the results of the keys handled.
+    async fn store(&mut self, keys: &[String], results: &[Vec<u8>]) {
+        if keys.is_empty() {
+            return;
+        }
+        match self {
+            Dedup::Redis(conn) => {
+                let mut pipe = redis::pipe();
+                for (key, r) in keys.iter().zip(results) {
+                    pipe.cmd("SET")
+                        .arg(key)
+                        .arg(r.as_slice())
+                        .arg("PX")
+                        .arg(86_400_000)
+                        .ignore();
+                }
+                let () = pipe.query_async(conn).await.expect("SET");
+            }
+            Dedup::Postgres(pool) => {
+                let q = format!(
+                    "UPDATE {SCHEMA}.dedup d SET v = u.v \
+                     FROM unnest($1::text[], $2::bytea[]) AS u(k, v) WHERE d.k = u.k"
+                );
+                sqlx::query(sqlx::AssertSqlSafe(q))
+                    .bind(keys)
+                    .bind(results)
+                    .execute(&*pool)
+                    .await
+                    .expect("update");
+            }
+        }
     }
 }
 
-/// The idem loop over a fresh in-memory store. Returns the time from the first claim to
-/// the last message settled.
-async fn idem(brokers: &str, topic: &str) -> Duration {
-    let timing = Arc::new(Timing {
-        first: Mutex::new(None),
-        settled: AtomicU64::new(0),
-        done: Notify::new(),
-    });
-    let engine = Engine::builder(Arc::new(MemoryBackend::new()))
-        .build()
-        .expect("engine");
+/// A hand-written deduplicating loop: per poll batch, mark the keys, handle the new ones,
+/// store their results, store the offsets. Returns the time from the first message to the
+/// `n`-th.
+async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Duration {
+    let consumer = stream_consumer(brokers, topic, "dedup");
+    let run = unique("run");
+    let mut first = None;
+    let mut last_commit = Instant::now();
+    let mut seen = 0;
+    while seen < n {
+        let batch = poll_batch(&consumer).await;
+        first.get_or_insert_with(Instant::now);
+        let keys: Vec<String> = batch
+            .iter()
+            .map(|m| {
+                let id = header_key(m)
+                    .map(String::from_utf8_lossy)
+                    .unwrap_or_default();
+                format!("{run}/{id}")
+            })
+            .collect();
+        let new = store.mark(&keys).await;
+        let (mut done, mut results) = (Vec::new(), Vec::new());
+        for ((m, key), new) in batch.iter().zip(&keys).zip(new) {
+            if new {
+                results.push(handle(header_key(m)).to_vec());
+                done.push(key.clone());
+            }
+        }
+        store.store(&done, &results).await;
+        for m in &batch {
+            consumer.store_offset_from_message(m).expect("store");
+        }
+        seen += batch.len();
+        if last_commit.elapsed() >= COMMIT_EVERY {
+            last_commit = Instant::now();
+            let _ = consumer.commit_consumer_state(CommitMode::Async);
+        }
+    }
+    let took = first.map_or(Duration::ZERO, |t| t.elapsed());
+    let _ = consumer.commit_consumer_state(CommitMode::Sync);
+    took
+}
+
+/// The hand-written exactly-once loop on PostgreSQL: per poll batch, one transaction of the
+/// business rows (one insert per message) and the partitions' next offsets, then the
+/// offsets stored in Kafka. Returns the time from the first message to the `n`-th.
+async fn tx_postgres(brokers: &str, topic: &str, n: usize, pool: sqlx::PgPool) -> Duration {
+    let group = unique("txpg");
+    let consumer = stream_consumer(brokers, topic, &group);
+    let insert = format!("INSERT INTO {SCHEMA}.ledger (k) VALUES ($1)");
+    let upsert = format!(
+        "INSERT INTO {SCHEMA}.hand_offsets (grp, topic, part, next) VALUES ($1, $2, $3, $4) \
+         ON CONFLICT (grp, topic, part) DO UPDATE SET next = excluded.next"
+    );
+    let mut first = None;
+    let mut last_commit = Instant::now();
+    let mut seen = 0;
+    while seen < n {
+        let batch = poll_batch(&consumer).await;
+        first.get_or_insert_with(Instant::now);
+        let mut tx = pool.begin().await.expect("begin");
+        let mut next: std::collections::BTreeMap<i32, i64> = Default::default();
+        for m in &batch {
+            let id = header_key(m)
+                .map(String::from_utf8_lossy)
+                .unwrap_or_default();
+            sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
+                .bind(id.as_ref())
+                .execute(&mut *tx)
+                .await
+                .expect("insert");
+            std::hint::black_box(handle(header_key(m)));
+            next.insert(m.partition(), m.offset() + 1);
+        }
+        for (part, next) in next {
+            sqlx::query(sqlx::AssertSqlSafe(upsert.as_str()))
+                .bind(&group)
+                .bind(topic)
+                .bind(part)
+                .bind(next)
+                .execute(&mut *tx)
+                .await
+                .expect("upsert offset");
+        }
+        tx.commit().await.expect("commit");
+        for m in &batch {
+            consumer.store_offset_from_message(m).expect("store");
+        }
+        seen += batch.len();
+        if last_commit.elapsed() >= COMMIT_EVERY {
+            last_commit = Instant::now();
+            let _ = consumer.commit_consumer_state(CommitMode::Async);
+        }
+    }
+    let took = first.map_or(Duration::ZERO, |t| t.elapsed());
+    let _ = consumer.commit_consumer_state(CommitMode::Sync);
+    took
+}
+
+/// Which idem loop to run.
+#[derive(Clone)]
+enum Idem {
+    Lease(Arc<dyn Backend>),
+    Transactional(PgBackend),
+    OnePerTx(PgBackend),
+}
+
+/// The idem loop (a fresh group, so fresh keys). Returns the time from the first claim to
+/// the `n`-th message settled.
+async fn idem(brokers: &str, topic: &str, n: usize, mode: Idem) -> Duration {
+    let timing = Arc::new(Timing::new(n));
     let stop = tokio_util::sync::CancellationToken::new();
     let signal = stop.clone();
-    let consumer = IdemConsumer::builder(config(brokers, &unique("idem")))
+    let builder = IdemConsumer::builder(config(brokers, &unique("idem")))
         .topics([topic])
-        .engine(engine)
         .commit_interval(COMMIT_EVERY)
         .probe(timing.clone())
-        .shutdown(async move { signal.cancelled().await })
-        .handler(|msg, _| async move { Ok(handle(msg.key().map(|k| k.id().as_bytes()))) })
-        .build()
-        .expect("idem consumer");
+        .shutdown(async move { signal.cancelled().await });
+    let builder = match mode {
+        Idem::Lease(backend) => builder
+            .engine(Engine::builder(backend).build().expect("engine"))
+            .handler(|msg, _| async move { Ok(handle(msg.key().map(|k| k.id().as_bytes()))) }),
+        Idem::Transactional(pg) => builder.transactional(pg, ledger_row),
+        Idem::OnePerTx(pg) => builder.transactional(one_per_tx::OnePerTx(pg), ledger_row),
+    };
+    let consumer = builder.build().expect("idem consumer");
     let task = tokio::spawn(consumer.run());
     timing.done.notified().await;
     let end = Instant::now();
-    let first = timing
-        .first
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .unwrap_or(end);
+    let first = timing.first(end);
     stop.cancel();
     task.await.expect("task").expect("run");
     end - first
 }
 
+/// The transactional handler: one business row per message.
+fn ledger_row<'t>(
+    msg: idem_kafka::Message,
+    tx: &'t mut idem_postgres::PgTransaction,
+    _lease: idem_core::Lease,
+) -> futures::future::BoxFuture<'t, Result<Bytes, idem_core::HandlerError>> {
+    async move {
+        let q = format!("INSERT INTO {SCHEMA}.ledger (k) VALUES ($1)");
+        let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+        sqlx::query(sqlx::AssertSqlSafe(q))
+            .bind(&id)
+            .execute(&mut **tx)
+            .await
+            .map_err(idem_core::HandlerError::retry)?;
+        Ok(handle(Some(id.as_bytes())))
+    }
+    .boxed()
+}
+
 /// Rates (messages per second) of each loop on each broker, for the summary.
 static RATES: Mutex<Vec<(String, &'static str, f64)>> = Mutex::new(Vec::new());
-
-fn record(broker: &str, which: &'static str, took: Duration) {
-    let rate = MESSAGES as f64 / took.as_secs_f64().max(1e-9);
-    RATES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push((broker.to_owned(), which, rate));
-}
 
 /// Runs `run` `iters` times, noting each rate, and returns the total time measured.
 fn timed<F, Fut>(
     rt: &tokio::runtime::Runtime,
     iters: u64,
-    broker: &str,
-    which: &'static str,
+    (broker, which, n): (&str, &'static str, usize),
     run: F,
 ) -> Duration
 where
@@ -205,76 +391,165 @@ where
         let mut total = Duration::ZERO;
         for _ in 0..iters {
             let took = run().await;
-            record(broker, which, took);
+            let rate = n as f64 / took.as_secs_f64().max(1e-9);
+            RATES
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((broker.to_owned(), which, rate));
             total += took;
         }
         total
     })
 }
 
+/// The durable stores, when their services are configured.
+struct Stores {
+    redis: Option<(RedisBackend, ConnectionManager)>,
+    postgres: Option<PgBackend>,
+}
+
+fn env(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => Some(v),
+        _ => {
+            println!("{var} is not set: its loops are skipped (eval \"$(scripts/services up)\")");
+            None
+        }
+    }
+}
+
+async fn stores() -> Stores {
+    let redis = match env("IDEM_REDIS_URL") {
+        None => None,
+        Some(url) => {
+            let backend = RedisBackend::connect(RedisConfig::new(&url))
+                .await
+                .expect("connect the Redis backend");
+            let client = redis::Client::open(url.as_str()).expect("redis url");
+            let raw = ConnectionManager::new(client).await.expect("connect Redis");
+            Some((backend, raw))
+        }
+    };
+    let postgres = match env("IDEM_POSTGRES_URL") {
+        None => None,
+        Some(url) => {
+            let config = PgConfig::new(url).schema(SCHEMA).max_connections(16);
+            let backend = PgBackend::connect(config)
+                .await
+                .expect("connect PostgreSQL");
+            let pool = backend.pool().clone();
+            for stmt in [
+                format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"),
+                format!("CREATE SCHEMA {SCHEMA}"),
+            ] {
+                sqlx::query(sqlx::AssertSqlSafe(stmt))
+                    .execute(&pool)
+                    .await
+                    .expect("reset schema");
+            }
+            backend.migrate().await.expect("migrate");
+            for stmt in [
+                format!("CREATE TABLE {SCHEMA}.dedup (k text PRIMARY KEY, v bytea)"),
+                format!("CREATE TABLE {SCHEMA}.ledger (k text NOT NULL)"),
+                format!(
+                    "CREATE TABLE {SCHEMA}.hand_offsets (grp text, topic text, part int, \
+                     next bigint, PRIMARY KEY (grp, topic, part))"
+                ),
+            ] {
+                sqlx::query(sqlx::AssertSqlSafe(stmt))
+                    .execute(&pool)
+                    .await
+                    .expect("create bench tables");
+            }
+            Some(backend)
+        }
+    };
+    Stores { redis, postgres }
+}
+
 fn on_broker(
     c: &mut Criterion,
     rt: &tokio::runtime::Runtime,
+    stores: &Stores,
     name: &str,
     brokers: &str,
     topic: &str,
 ) {
     rt.block_on(produce(brokers, topic));
     let mut g = c.benchmark_group(format!("kafka_{name}"));
-    g.throughput(Throughput::Elements(MESSAGES as u64))
-        .sampling_mode(SamplingMode::Flat)
+    g.sampling_mode(SamplingMode::Flat)
         .sample_size(10)
         .warm_up_time(Duration::from_millis(1))
         .measurement_time(Duration::from_secs(1));
-    g.bench_function("bare_stream_consumer", |b| {
-        b.iter_custom(|iters| timed(rt, iters, name, "bare", || bare(brokers, topic)))
+    let mut case =
+        |which: &'static str,
+         n: usize,
+         run: &dyn Fn() -> futures::future::BoxFuture<'static, Duration>| {
+            g.throughput(Throughput::Elements(n as u64));
+            g.bench_function(which, |b| {
+                b.iter_custom(|iters| timed(rt, iters, (name, which, n), run))
+            });
+        };
+    let (b, t) = (brokers.to_owned(), topic.to_owned());
+    let at = move || (b.clone(), t.clone());
+    let go = at.clone();
+    case("bare", MESSAGES, &move || {
+        let (b, t) = go();
+        async move { bare(&b, &t, MESSAGES).await }.boxed()
     });
-    g.bench_function("idem_loop_memory", |b| {
-        b.iter_custom(|iters| timed(rt, iters, name, "idem", || idem(brokers, topic)))
+    let go = at.clone();
+    case("idem_memory", MESSAGES, &move || {
+        let (b, t) = go();
+        let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new());
+        async move { idem(&b, &t, MESSAGES, Idem::Lease(store)).await }.boxed()
     });
+    if let Some((backend, raw)) = &stores.redis {
+        let n = MESSAGES / 2;
+        let (go, raw) = (at.clone(), raw.clone());
+        case("dedup_redis", n, &move || {
+            let ((b, t), raw) = (go(), raw.clone());
+            async move { dedup(&b, &t, n, Dedup::Redis(raw)).await }.boxed()
+        });
+        let (go, backend) = (at.clone(), backend.clone());
+        case("idem_redis", n, &move || {
+            let ((b, t), store) = (go(), Arc::new(backend.clone()));
+            async move { idem(&b, &t, n, Idem::Lease(store)).await }.boxed()
+        });
+    }
+    if let Some(pg) = &stores.postgres {
+        let n = MESSAGES / 5;
+        let (go, pool) = (at.clone(), pg.pool().clone());
+        case("dedup_postgres", n, &move || {
+            let ((b, t), pool) = (go(), pool.clone());
+            async move { dedup(&b, &t, n, Dedup::Postgres(pool)).await }.boxed()
+        });
+        let (go, backend) = (at.clone(), pg.clone());
+        case("idem_postgres", n, &move || {
+            let ((b, t), store) = (go(), Arc::new(backend.clone()));
+            async move { idem(&b, &t, n, Idem::Lease(store)).await }.boxed()
+        });
+        let (go, pool) = (at.clone(), pg.pool().clone());
+        case("tx_postgres", n, &move || {
+            let ((b, t), pool) = (go(), pool.clone());
+            async move { tx_postgres(&b, &t, n, pool).await }.boxed()
+        });
+        let (go, backend) = (at.clone(), pg.clone());
+        case("idem_postgres_transactional", n, &move || {
+            let ((b, t), pg) = (go(), backend.clone());
+            async move { idem(&b, &t, n, Idem::Transactional(pg)).await }.boxed()
+        });
+        let n = MESSAGES / 40;
+        let (go, backend) = (at.clone(), pg.clone());
+        case("idem_postgres_one_per_tx", n, &move || {
+            let ((b, t), pg) = (go(), backend.clone());
+            async move { idem(&b, &t, n, Idem::OnePerTx(pg)).await }.boxed()
+        });
+    }
     g.finish();
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
-fn kafka(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let cluster = MockCluster::new(1).expect("mock cluster");
-    let topic = unique("bench");
-    cluster.create_topic(&topic, PARTITIONS, 1).expect("topic");
-    on_broker(c, &rt, "mockcluster", &cluster.bootstrap_servers(), &topic);
-
-    match std::env::var("IDEM_KAFKA_BROKERS") {
-        Ok(brokers) if !brokers.is_empty() => {
-            let topic = unique("bench");
-            rt.block_on(async {
-                let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-                    .set("bootstrap.servers", &brokers)
-                    .create()
-                    .expect("admin");
-                let new = NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1));
-                for r in admin
-                    .create_topics([&new], &AdminOptions::new())
-                    .await
-                    .expect("create topic")
-                {
-                    r.expect("topic created");
-                }
-            });
-            on_broker(c, &rt, "tansu", &brokers, &topic);
-        }
-        _ => println!(
-            "tansu skipped: IDEM_KAFKA_BROKERS is not set (eval \"$(scripts/services up kafka)\")"
-        ),
-    }
-
+/// Prints each broker's medians and the ratios the issue asks for.
+fn summary() {
     let rates = RATES.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut brokers: Vec<&String> = rates.iter().map(|(b, ..)| b).collect();
     brokers.dedup();
@@ -288,15 +563,59 @@ fn kafka(c: &mut Criterion) {
                     .collect(),
             )
         };
-        let (bare, idem) = (of("bare"), of("idem"));
-        println!(
-            "kafka on {broker}: bare loop {:.0} msg/s, idem loop {:.0} msg/s, ratio {:.2} \
-             (medians of every iteration, {MESSAGES} messages each)",
-            bare,
-            idem,
-            idem / bare.max(1e-9)
-        );
+        println!("\nkafka loop on {broker} (medians, messages/s):");
+        println!("| loop | msg/s | ÷ its ceiling |");
+        println!("|---|---|---|");
+        for (which, ceiling) in [
+            ("bare", ""),
+            ("idem_memory", "bare"),
+            ("dedup_redis", ""),
+            ("idem_redis", "dedup_redis"),
+            ("dedup_postgres", ""),
+            ("idem_postgres", "dedup_postgres"),
+            ("tx_postgres", ""),
+            ("idem_postgres_transactional", "tx_postgres"),
+            ("idem_postgres_one_per_tx", "tx_postgres"),
+        ] {
+            let rate = of(which);
+            if rate == 0.0 {
+                continue;
+            }
+            let ratio = if ceiling.is_empty() {
+                "-".to_owned()
+            } else {
+                format!("{:.2} × {ceiling}", rate / of(ceiling).max(1e-9))
+            };
+            println!("| {which} | {rate:.0} | {ratio} |");
+        }
     }
+}
+
+fn kafka(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let stores = rt.block_on(stores());
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    let topic = unique("bench");
+    cluster.create_topic(&topic, PARTITIONS, 1).expect("topic");
+    on_broker(
+        c,
+        &rt,
+        &stores,
+        "mockcluster",
+        &cluster.bootstrap_servers(),
+        &topic,
+    );
+
+    if let Some(brokers) = env("IDEM_KAFKA_BROKERS") {
+        let topic = unique("bench");
+        rt.block_on(create_topic(&brokers, &topic, PARTITIONS));
+        on_broker(c, &rt, &stores, "tansu", &brokers, &topic);
+    }
+    summary();
 }
 
 criterion_group!(benches, kafka);

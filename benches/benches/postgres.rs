@@ -12,7 +12,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use futures::FutureExt;
 use futures::future::join_all;
 use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
-use idem_postgres::{OffsetPosition, PgBackend, PgConfig};
+use idem_postgres::{OffsetPosition, PgBackend, PgConfig, PgTransaction};
 
 const HOUR: Duration = Duration::from_secs(3600);
 const CONCURRENCY: u64 = 16;
@@ -214,6 +214,121 @@ fn postgres(c: &mut Criterion) {
         })
     });
     g.finish();
+
+    // A poll batch per transaction against one message per transaction, at the same
+    // concurrency: PARTITIONS partitions at once, each a batch of `batch` messages with one
+    // business insert each. The raw baseline is the hand-rolled consumer: per batch, BEGIN,
+    // the business inserts, the offset upsert, COMMIT (no idempotency records).
+    let mut g = c.benchmark_group("postgres_transactional_batch");
+    for batch in [1u64, 16, 64] {
+        g.throughput(Throughput::Elements(batch * PARTITIONS));
+        g.bench_with_input(BenchmarkId::new("raw", batch), &batch, |b, &batch| {
+            b.to_async(&rt)
+                .iter(|| join_all((0..PARTITIONS).map(|p| raw_batch(pool.clone(), p, batch))))
+        });
+        g.bench_with_input(
+            BenchmarkId::new("one_per_transaction", batch),
+            &batch,
+            |b, &batch| {
+                b.to_async(&rt).iter(|| {
+                    join_all((0..PARTITIONS).map(|p| {
+                        let backend = Arc::clone(&backend);
+                        async move {
+                            for offset in 0..batch {
+                                let at = position(p, offset);
+                                let out = backend
+                                    .execute_in_transaction(
+                                        &claim(fresh()),
+                                        HOUR,
+                                        Some(&at),
+                                        |tx, _| ledger_insert(tx),
+                                    )
+                                    .await
+                                    .expect("transactional");
+                                assert!(matches!(out, idem_core::Outcome::Executed(_)));
+                            }
+                        }
+                    }))
+                })
+            },
+        );
+        g.bench_with_input(BenchmarkId::new("batch", batch), &batch, |b, &batch| {
+            b.to_async(&rt).iter(|| {
+                join_all((0..PARTITIONS).map(|p| {
+                    let backend = Arc::clone(&backend);
+                    async move {
+                        let claims: Vec<Claim> = (0..batch).map(|_| claim(fresh())).collect();
+                        let out = backend
+                            .execute_batch_in_transaction(
+                                &claims,
+                                HOUR,
+                                |tx, _, _| ledger_insert(tx),
+                                |outcomes| {
+                                    let n = i64::try_from(outcomes.len()).ok()?;
+                                    Some(position(p, n - 1))
+                                },
+                            )
+                            .await
+                            .expect("batch");
+                        assert!(
+                            out.iter()
+                                .all(|o| matches!(o, idem_core::Outcome::Executed(_)))
+                        );
+                    }
+                }))
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Partitions handled at once in the batch transactional group.
+const PARTITIONS: u64 = 4;
+
+fn position(partition: u64, offset: impl TryInto<i64>) -> OffsetPosition {
+    OffsetPosition {
+        group: "bench".into(),
+        topic: "batch".into(),
+        partition: i32::try_from(partition).unwrap_or(0),
+        offset: offset.try_into().unwrap_or(0),
+    }
+}
+
+/// The handler: one business insert through the open transaction.
+fn ledger_insert(
+    tx: &mut PgTransaction,
+) -> futures::future::BoxFuture<'_, Result<Bytes, idem_core::HandlerError>> {
+    async move {
+        sqlx::query("INSERT INTO idem_bench.ledger (k, cents) VALUES ('x', 1999)")
+            .execute(&mut **tx)
+            .await?;
+        Ok(Bytes::from_static(b"ok"))
+    }
+    .boxed()
+}
+
+/// One poll batch of the hand-rolled consumer: the business inserts and the offset upsert
+/// in one transaction.
+async fn raw_batch(pool: sqlx::PgPool, partition: u64, batch: u64) {
+    let mut tx = pool.begin().await.expect("begin");
+    for _ in 0..batch {
+        sqlx::query("INSERT INTO idem_bench.ledger (k, cents) VALUES ($1, 1999)")
+            .bind(fresh().to_string())
+            .execute(&mut *tx)
+            .await
+            .expect("business insert");
+    }
+    sqlx::query(
+        "INSERT INTO idem_bench.idem_offsets (consumer_group, topic, partition, next_offset) \
+         VALUES ('raw', 'batch', $1, $2) ON CONFLICT (consumer_group, topic, partition) \
+         DO UPDATE SET next_offset = excluded.next_offset",
+    )
+    .bind(i32::try_from(partition).unwrap_or(0))
+    .bind(i64::try_from(batch).unwrap_or(0))
+    .execute(&mut *tx)
+    .await
+    .expect("offset");
+    tx.commit().await.expect("commit");
 }
 
 criterion_group! {

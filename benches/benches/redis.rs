@@ -1,6 +1,10 @@
 //! The Redis backend against raw commands through the same client, at the same
-//! concurrency, in one run: claim+complete against `SET NX PX` then `SET`, and batched
-//! claims against unpipelined `SET`. Throughput is messages (or raw cycles) per second.
+//! concurrency, in one run: claim+complete against `SET NX PX` then `SET`, a replay
+//! against `GET`, a batch of 128 claimed and settled (`claim_many` + `settle_many`)
+//! against 128 pipelined `SET NX PX` then 128 pipelined `SET`, and batched claims against
+//! unpipelined `SET`. Throughput is messages (or raw cycles) per second; after each case
+//! the server's CPU time per message and each command's calls per message and time per
+//! call (a script's nested commands are counted in its own time too).
 //!
 //! `IDEM_REDIS_URL=redis://127.0.0.1:6379/ cargo bench -p benches --bench redis`
 //! Without `IDEM_REDIS_URL` it prints one line and skips.
@@ -13,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
+use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Settlement};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::ConnectionManager;
 
@@ -70,9 +74,13 @@ fn claim(key: Key) -> Claim {
     }
 }
 
-/// Runs `iters` calls of `op` (given the call's number) on `CONCURRENCY` tasks that take
-/// the next number until `iters` are done; returns the wall time.
-async fn spread<F, Fut>(iters: u64, op: F) -> Duration
+/// Messages (or raw cycles) done so far, for the server's cost per message.
+static ELEMENTS: AtomicU64 = AtomicU64::new(0);
+
+/// Runs `iters` calls of `op` (given the call's number, each worth `weight` messages) on
+/// `CONCURRENCY` tasks that take the next number until `iters` are done; returns the wall
+/// time.
+async fn spread<F, Fut>(iters: u64, weight: u64, op: F) -> Duration
 where
     F: Fn(u64) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send,
@@ -97,14 +105,17 @@ where
     for t in tasks {
         t.await.expect("task");
     }
+    ELEMENTS.fetch_add(iters * weight, Ordering::Relaxed);
     start.elapsed()
 }
 
-/// What the server reports: per command `(calls, usec)`, and its CPU seconds so far.
+/// What the server reports: per command `(calls, usec)`, and its CPU seconds so far; and
+/// the messages done so far.
 struct ServerStats {
     commands: HashMap<String, (u64, u64)>,
     cpu: f64,
     at: Instant,
+    elements: u64,
 }
 
 async fn server_stats(raw: &mut ConnectionManager) -> ServerStats {
@@ -138,16 +149,21 @@ async fn server_stats(raw: &mut ConnectionManager) -> ServerStats {
         commands,
         cpu,
         at: Instant::now(),
+        elements: ELEMENTS.load(Ordering::Relaxed),
     }
 }
 
-/// Prints where the server's time went between two snapshots: its CPU use, and the
-/// average time per call of each command it ran (nested script calls included).
+/// Prints where the server's time went between two snapshots: its CPU use, its CPU time
+/// per message, and per command the calls per message and the time per call (nested
+/// script calls included, so a script's time also holds its commands').
 fn print_server(name: &str, before: &ServerStats, after: &ServerStats) {
     let wall = after.at.duration_since(before.at).as_secs_f64();
+    let elements = after.elements.saturating_sub(before.elements).max(1) as f64;
+    let cpu = after.cpu - before.cpu;
     let mut line = format!(
-        "  server during {name}: {:.0}% of a core;",
-        100.0 * (after.cpu - before.cpu) / wall
+        "  server during {name}: {:.0}% of a core, {:.2} us CPU/msg;",
+        100.0 * cpu / wall,
+        1e6 * cpu / elements
     );
     let mut rows: Vec<_> = after
         .commands
@@ -164,7 +180,8 @@ fn print_server(name: &str, before: &ServerStats, after: &ServerStats) {
     rows.sort();
     for (cmd, calls, usec) in rows {
         line.push_str(&format!(
-            " {cmd} {:.2} us/call,",
+            " {cmd} {:.3}/msg at {:.2} us,",
+            calls as f64 / elements,
             usec as f64 / calls as f64
         ));
     }
@@ -217,7 +234,7 @@ fn redis_benches(c: &mut Criterion) {
             b.to_async(&rt).iter_custom(|iters| {
                 let (raw, ids) = (raw.clone(), Arc::clone(&ids));
                 let base = ids.take(iters);
-                spread(iters, move |i| {
+                spread(iters, 1, move |i| {
                     let (mut raw, key) = (raw.clone(), ids.raw(base + i));
                     async move {
                         let set: Option<String> = redis::cmd("SET")
@@ -247,7 +264,7 @@ fn redis_benches(c: &mut Criterion) {
     measured!(g, stats, &raw, String::from("raw_set"), |b| {
         b.to_async(&rt).iter_custom(|iters| {
             let (raw, ids) = (raw.clone(), Arc::clone(&ids));
-            spread(iters, move |i| {
+            spread(iters, 1, move |i| {
                 let (mut raw, key) = (raw.clone(), ids.raw(i % 10_000));
                 async move {
                     let _: () = redis::cmd("SET")
@@ -265,7 +282,7 @@ fn redis_benches(c: &mut Criterion) {
         b.to_async(&rt).iter_custom(|iters| {
             let (backend, ids, response) = (backend.clone(), Arc::clone(&ids), response.clone());
             let base = ids.take(iters);
-            spread(iters, move |i| {
+            spread(iters, 1, move |i| {
                 let (backend, c, response) =
                     (backend.clone(), claim(ids.key(base + i)), response.clone());
                 async move {
@@ -292,10 +309,39 @@ fn redis_benches(c: &mut Criterion) {
             .await
             .expect("complete");
     });
+    let stored = ids.raw(u64::MAX);
+    rt.block_on(async {
+        let mut raw = raw.clone();
+        let _: () = redis::cmd("SET")
+            .arg(&stored)
+            .arg(&response[..])
+            .arg("PX")
+            .arg(px)
+            .query_async(&mut raw)
+            .await
+            .expect("SET");
+    });
+    measured!(g, stats, &raw, String::from("raw_get"), |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (raw, stored) = (raw.clone(), stored.clone());
+            spread(iters, 1, move |_| {
+                let (mut raw, stored) = (raw.clone(), stored.clone());
+                async move {
+                    let got: Option<Vec<u8>> = redis::cmd("GET")
+                        .arg(&stored)
+                        .query_async(&mut raw)
+                        .await
+                        .expect("GET");
+                    assert!(got.is_some());
+                }
+            })
+        })
+    });
+
     measured!(g, stats, &raw, String::from("replay"), |b| {
         b.to_async(&rt).iter_custom(|iters| {
             let (backend, done) = (backend.clone(), done.clone());
-            spread(iters, move |_| {
+            spread(iters, 1, move |_| {
                 let (backend, done) = (backend.clone(), done.clone());
                 async move {
                     let answer = backend.claim(&done).await.expect("claim");
@@ -326,8 +372,77 @@ fn redis_benches(c: &mut Criterion) {
                     }
                     assert_eq!(won, 1);
                 }
+                ELEMENTS.fetch_add(iters, Ordering::Relaxed);
                 start.elapsed()
             }
+        })
+    });
+
+    const BATCH: u64 = 128;
+    g.throughput(Throughput::Elements(BATCH));
+    measured!(g, stats, &raw, format!("raw_pipelined_{BATCH}"), |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (raw, ids) = (raw.clone(), Arc::clone(&ids));
+            let base = ids.take(iters * BATCH);
+            spread(iters, BATCH, move |i| {
+                let keys: Vec<String> = (0..BATCH).map(|j| ids.raw(base + i * BATCH + j)).collect();
+                let mut raw = raw.clone();
+                async move {
+                    let mut claim = redis::pipe();
+                    for key in &keys {
+                        claim
+                            .cmd("SET")
+                            .arg(key)
+                            .arg("processing")
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(px);
+                    }
+                    let set: Vec<Option<String>> =
+                        claim.query_async(&mut raw).await.expect("SET NX PX");
+                    assert!(set.iter().all(Option::is_some), "fresh keys taken");
+                    let mut done = redis::pipe();
+                    for key in &keys {
+                        done.cmd("SET")
+                            .arg(key)
+                            .arg("completed")
+                            .arg("PX")
+                            .arg(px)
+                            .ignore();
+                    }
+                    let _: () = done.query_async(&mut raw).await.expect("SET");
+                }
+            })
+        })
+    });
+
+    measured!(g, stats, &raw, format!("claim_settle_many_{BATCH}"), |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (backend, ids, response) = (backend.clone(), Arc::clone(&ids), response.clone());
+            let base = ids.take(iters * BATCH);
+            spread(iters, BATCH, move |i| {
+                let claims: Vec<Claim> = (0..BATCH)
+                    .map(|j| claim(ids.key(base + i * BATCH + j)))
+                    .collect();
+                let (backend, response) = (backend.clone(), response.clone());
+                async move {
+                    let answers = backend.claim_many(&claims).await.expect("claim_many");
+                    let items: Vec<Settlement> = answers
+                        .into_iter()
+                        .map(|a| match a {
+                            ClaimOutcome::Acquired(lease) => {
+                                Settlement::complete(lease, response.clone())
+                            }
+                            other => panic!("fresh key not acquired: {other:?}"),
+                        })
+                        .collect();
+                    let done = backend
+                        .settle_many(&items, RETENTION)
+                        .await
+                        .expect("settle_many");
+                    assert!(done.iter().all(Result::is_ok));
+                }
+            })
         })
     });
 
@@ -337,7 +452,7 @@ fn redis_benches(c: &mut Criterion) {
             b.to_async(&rt).iter_custom(|iters| {
                 let (backend, ids) = (backend.clone(), Arc::clone(&ids));
                 let base = ids.take(iters * batch);
-                spread(iters, move |i| {
+                spread(iters, batch, move |i| {
                     let claims: Vec<Claim> = (0..batch)
                         .map(|j| claim(ids.key(base + i * batch + j)))
                         .collect();

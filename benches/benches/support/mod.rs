@@ -1,0 +1,100 @@
+//! What the Kafka loop benches share: client settings, unique names, topics, and a probe
+//! that times an idem loop from its first claim to its `n`-th settled message.
+#![allow(dead_code)]
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idem_kafka::rdkafka::client::DefaultClientContext;
+use idem_kafka::{Point, Probe, Verdict};
+use tokio::sync::Notify;
+
+/// A consumer's settings: earliest offsets, quick group join on tansu, quick refetch.
+pub fn config(brokers: &str, group: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .set("fetch.queue.backoff.ms", "10");
+    c
+}
+
+/// A name no other run or iteration uses.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Creates `topic` on a real broker (tansu does not create topics itself).
+pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("admin");
+    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    for r in admin
+        .create_topics([&new], &AdminOptions::new())
+        .await
+        .expect("create topic")
+    {
+        r.expect("topic created");
+    }
+}
+
+/// Counts settled messages and notes when the first claim started.
+pub struct Timing {
+    n: u64,
+    first: Mutex<Option<Instant>>,
+    settled: AtomicU64,
+    pub done: Notify,
+}
+
+impl Timing {
+    /// A probe that signals `done` at the `n`-th settled message.
+    pub fn new(n: usize) -> Self {
+        Timing {
+            n: n as u64,
+            first: Mutex::new(None),
+            settled: AtomicU64::new(0),
+            done: Notify::new(),
+        }
+    }
+
+    /// When the first claim started (or `now` if none did).
+    pub fn first(&self, now: Instant) -> Instant {
+        self.first
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or(now)
+    }
+}
+
+impl Probe for Timing {
+    fn reached(&self, point: Point, _: &str, _: i32, _: i64) -> Verdict {
+        match point {
+            Point::BeforeClaim => {
+                let mut first = self.first.lock().unwrap_or_else(|e| e.into_inner());
+                first.get_or_insert_with(Instant::now);
+            }
+            Point::AfterSettle if self.settled.fetch_add(1, Ordering::Relaxed) + 1 == self.n => {
+                self.done.notify_one();
+            }
+            _ => {}
+        }
+        Verdict::Continue
+    }
+}
+
+/// The median of `v` (0 when empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
