@@ -82,10 +82,15 @@ fn bench_writes_json_and_svg_with_real_numbers() {
     let svg = std::fs::read_to_string(out.path().join("bench.svg")).expect("bench.svg");
     assert!(svg.starts_with("<svg"), "{}", &svg[..100]);
     for label in [
-        "memory claim+complete, batch 1",
-        "redis claim+complete, batch 8",
-        "postgres claim+complete, batch 8",
-        "dynamodb claim+complete, batch 8",
+        "batch 1 (claim)",
+        "batch 8 (claim_many)",
+        "memory idem",
+        "redis raw",
+        "postgres idem",
+        "dynamodb raw",
+        "conditional PutItem",
+        "1 = as fast as raw",
+        "concurrent workers",
     ] {
         assert!(svg.contains(label), "plot lacks {label}");
     }
