@@ -1,0 +1,286 @@
+//! A payment consumer in a process of its own, for the SIGKILL test (`tests/sigkill.rs`
+//! starts several, kills them with SIGKILL at random moments and starts replacements). It
+//! joins `--group` on `--topic` and applies each payment (the `idempotency-key` header)
+//! as a row of the PostgreSQL table `"<schema>".ledger` (payment, token, instance, kind),
+//! until its stdin closes or reads `stop`. Two modes:
+//!
+//! - `--mode transactional`: the store is PostgreSQL (`--store`, idem's tables migrated in
+//!   `--schema`), and the ledger row is written in the handler's transaction.
+//! - `--mode lease`: the store is Redis (`--store`, keys under `idem-sigkill:<group>:`), and
+//!   the ledger row is committed on its own before the handler returns, so a kill between
+//!   the row and the `complete` leaves a real double effect for the takeover.
+//!
+//! It prints `settled partition=<p> offset=<o>` for each message it settles and
+//! `stopped settled=<n>` after a clean stop; on bad input it prints `worker: error: ...` to
+//! stderr and exits with status 2.
+//!
+//! ```sh
+//! cargo run -p idem-kafka --example worker -- --mode lease --brokers 127.0.0.1:19092 \
+//!   --topic payments --group billing --store redis://127.0.0.1:6379/ \
+//!   --ledger postgres://postgres@127.0.0.1:5432/test --schema ledger_1 [--instance 0] \
+//!   [--lease-ms 2000] [--work-ms 0]
+//! ```
+
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::FutureExt;
+use idem_core::{Bytes, Engine, HandlerError};
+use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::{ConsumerBuilder, IdemConsumer, Message, Point, Probe, Verdict};
+use idem_postgres::{PgBackend, PgConfig};
+use idem_redis::{RedisBackend, RedisConfig};
+
+const USAGE: &str = "usage: worker --mode transactional|lease --brokers <b> --topic <t> \
+     --group <g> --store <url> --ledger <postgres url> --schema <schema> [--instance <n>] \
+     [--lease-ms <ms>] [--work-ms <ms>]";
+
+/// What the command line asked for.
+struct Args {
+    mode: String,
+    brokers: String,
+    topic: String,
+    group: String,
+    store: String,
+    ledger: String,
+    schema: String,
+    instance: i32,
+    lease: Duration,
+    work: Duration,
+}
+
+impl Args {
+    fn parse(raw: &[String]) -> Result<Args, String> {
+        let mut flags: HashMap<&str, &str> = HashMap::new();
+        let mut it = raw.iter();
+        while let Some(flag) = it.next() {
+            let name = flag
+                .strip_prefix("--")
+                .ok_or_else(|| format!("unexpected argument {flag:?}"))?;
+            let value = it.next().ok_or_else(|| format!("--{name} needs a value"))?;
+            flags.insert(name, value);
+        }
+        let f = &mut flags;
+        let args = Args {
+            mode: text(f, "mode")?,
+            brokers: text(f, "brokers")?,
+            topic: text(f, "topic")?,
+            group: text(f, "group")?,
+            store: text(f, "store")?,
+            ledger: text(f, "ledger")?,
+            schema: text(f, "schema")?,
+            instance: number(f, "instance", 0)?,
+            lease: Duration::from_millis(number(f, "lease-ms", 2000)?),
+            work: Duration::from_millis(number(f, "work-ms", 0)?),
+        };
+        if let Some(name) = flags.keys().next() {
+            return Err(format!("unknown flag --{name}"));
+        }
+        if args.mode != "transactional" && args.mode != "lease" {
+            return Err(format!("--mode {:?}: transactional or lease", args.mode));
+        }
+        let plain = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_';
+        if args.schema.is_empty() || !args.schema.chars().all(plain) {
+            return Err(format!("--schema {:?}: [a-z0-9_]+ only", args.schema));
+        }
+        Ok(args)
+    }
+}
+
+fn text(flags: &mut HashMap<&str, &str>, name: &str) -> Result<String, String> {
+    flags
+        .remove(name)
+        .map(str::to_owned)
+        .ok_or_else(|| format!("missing --{name}"))
+}
+
+fn number<T: std::str::FromStr>(
+    flags: &mut HashMap<&str, &str>,
+    name: &str,
+    default: T,
+) -> Result<T, String> {
+    flags.remove(name).map_or(Ok(default), |v| {
+        v.parse()
+            .map_err(|_| format!("--{name} {v:?}: not a number"))
+    })
+}
+
+/// Prints a line for each settled message; writes to a closed stdout are dropped.
+#[derive(Default)]
+struct Settles(AtomicU64);
+
+impl Probe for Settles {
+    fn reached(&self, point: Point, _topic: &str, partition: i32, offset: i64) -> Verdict {
+        if point == Point::AfterSettle {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            let _ = writeln!(
+                std::io::stdout().lock(),
+                "settled partition={partition} offset={offset}"
+            );
+        }
+        Verdict::Continue
+    }
+}
+
+/// The payment id of a message, from its idempotency key.
+fn payment(msg: &Message) -> Result<String, HandlerError> {
+    msg.key()
+        .map(|k| k.id().to_owned())
+        .ok_or_else(|| HandlerError::permanent("no payment id"))
+}
+
+/// Resolves once stdin reads `stop` or closes (the test ended, or dropped our stdin).
+fn stop_on_stdin() -> tokio::sync::oneshot::Receiver<()> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            match line {
+                Ok(l) if l.trim() == "stop" => break,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let _ = tx.send(());
+    });
+    rx
+}
+
+async fn run(args: Args) -> Result<u64, String> {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", &args.brokers)
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
+        .set("topic.metadata.refresh.interval.ms", "500");
+    let stop = stop_on_stdin();
+    let settles = Arc::new(Settles::default());
+    let builder = IdemConsumer::builder(config)
+        .topics([args.topic.as_str()])
+        .group(args.group.as_str())
+        .batch_size(50)
+        .commit_interval(Duration::from_millis(200))
+        .revoke_timeout(Duration::from_secs(5))
+        .retry_backoff(Duration::from_millis(20), Duration::from_millis(500))
+        .probe(settles.clone())
+        .shutdown(async move {
+            let _ = stop.await;
+        });
+    let insert = format!(
+        "INSERT INTO \"{}\".ledger (payment, token, instance, kind) VALUES ($1, $2, $3, $4)",
+        args.schema
+    );
+    let consumer = if args.mode == "transactional" {
+        transactional(builder, &args, insert).await?
+    } else {
+        lease(builder, &args, insert).await?
+    };
+    consumer.run().await.map_err(|e| format!("consumer: {e}"))?;
+    Ok(settles.0.load(Ordering::Relaxed))
+}
+
+fn engine(backend: Arc<dyn idem_core::Backend>, args: &Args) -> Result<Engine, String> {
+    Engine::builder(backend)
+        .owner(format!("worker-{}", args.instance))
+        .lease_ttl(args.lease)
+        .max_attempts(10)
+        .retention(Duration::from_secs(600))
+        .build()
+        .map_err(|e| format!("engine: {e}"))
+}
+
+/// Transactional mode on PostgreSQL: the ledger row commits with the record and offset.
+async fn transactional(
+    builder: ConsumerBuilder,
+    args: &Args,
+    insert: String,
+) -> Result<IdemConsumer, String> {
+    let config = PgConfig::new(args.store.as_str())
+        .schema(args.schema.as_str())
+        .max_connections(8);
+    let pg = PgBackend::connect(config)
+        .await
+        .map_err(|e| format!("--store: {e}"))?;
+    let (instance, work) = (args.instance, args.work);
+    builder
+        .engine(engine(Arc::new(pg.clone()), args)?)
+        .transactional(pg, move |msg, tx, lease| {
+            let insert = insert.clone();
+            async move {
+                let id = payment(&msg)?;
+                tokio::time::sleep(work).await;
+                sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .bind(&id)
+                    .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+                    .bind(instance)
+                    .bind(format!("{:?}", lease.kind))
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(Bytes::from(format!("paid {id}")))
+            }
+            .boxed()
+        })
+        .build()
+        .map_err(|e| format!("consumer: {e}"))
+}
+
+/// Lease mode on Redis: the ledger row commits on its own, before `complete`.
+async fn lease(
+    builder: ConsumerBuilder,
+    args: &Args,
+    insert: String,
+) -> Result<IdemConsumer, String> {
+    let prefix = format!("idem-sigkill:{}:", args.group);
+    let redis = RedisBackend::connect(RedisConfig::new(args.store.as_str()).with_prefix(prefix))
+        .await
+        .map_err(|e| format!("--store: {e}"))?;
+    let ledger = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&args.ledger)
+        .await
+        .map_err(|e| format!("--ledger: {e}"))?;
+    let (instance, work) = (args.instance, args.work);
+    builder
+        .engine(engine(Arc::new(redis), args)?)
+        .handler(move |msg, ctx| {
+            let (insert, ledger) = (insert.clone(), ledger.clone());
+            async move {
+                let id = payment(&msg)?;
+                let ctx = ctx.ok_or_else(|| HandlerError::permanent("no lease"))?;
+                tokio::time::sleep(work).await;
+                sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .bind(&id)
+                    .bind(i64::try_from(ctx.token()).unwrap_or(i64::MAX))
+                    .bind(instance)
+                    .bind(format!("{:?}", ctx.kind()))
+                    .execute(&ledger)
+                    .await
+                    .map_err(|e| HandlerError::retry(format!("ledger: {e}")))?;
+                Ok(Bytes::from(format!("paid {id}")))
+            }
+        })
+        .build()
+        .map_err(|e| format!("consumer: {e}"))
+}
+
+#[tokio::main]
+async fn main() {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let result = match Args::parse(&raw) {
+        Ok(args) => run(args).await,
+        Err(e) => Err(format!("{e}\n{USAGE}")),
+    };
+    match result {
+        Ok(settled) => {
+            let _ = writeln!(std::io::stdout().lock(), "stopped settled={settled}");
+        }
+        Err(e) => {
+            eprintln!("worker: error: {e}");
+            std::process::exit(2);
+        }
+    }
+}

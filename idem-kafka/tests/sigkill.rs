@@ -1,0 +1,466 @@
+//! Consumer processes killed with SIGKILL at random moments and restarted, on the real
+//! broker (tansu, `IDEM_KAFKA_BROKERS`). Each worker is the `worker` example in a process
+//! of its own; the side effect of a payment is a row of a PostgreSQL ledger
+//! (`IDEM_POSTGRES_URL`). Payments are produced in waves; after each wave, once a random
+//! number of messages settled (plus a random pause), a random worker among those that
+//! settled something is killed and a replacement starts. When every payment is in the ledger and the group's offsets reach
+//! the end, the remaining workers stop and the ledger is checked: no payment lost; in
+//! transactional mode each exactly once; in lease mode (Redis, `IDEM_REDIS_URL`) every
+//! double effect comes after a takeover with a higher token.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Out;
+use idem_core::{Backend, Key, State};
+use tokio::sync::mpsc;
+
+const PAYMENTS: usize = 1000;
+/// Every fifth payment is sent twice: 200 duplicates.
+const DUPLICATE_EVERY: usize = 5;
+const PARTITIONS: i32 = 4;
+const WORKERS: usize = 3;
+const KILLS: usize = 8;
+const LEASE_MS: &str = "2000";
+/// Each handler sleeps this long before its effect, so kills land mid-batch.
+const WORK_MS: &str = "5";
+const TIMEOUT: Duration = Duration::from_secs(180);
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Transactional,
+    Lease,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_transactional_postgres() {
+    let f = scenario(Mode::Transactional).await;
+    assert_eq!(f.effects, PAYMENTS, "each payment exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lease_redis() {
+    let f = scenario(Mode::Lease).await;
+    assert_eq!(f.effects, PAYMENTS + f.doubles);
+}
+
+/// What a worker's stdout said, read on a thread of its own.
+enum Event {
+    Settled(u32),
+    Exited(u32),
+}
+
+struct Worker {
+    instance: u32,
+    /// Messages it settled: a worker that settled one holds partitions and is working.
+    settled: u64,
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+/// The running workers, and how to start another.
+struct Pool {
+    example: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+    next: u32,
+    events: mpsc::UnboundedSender<Event>,
+    running: Vec<Worker>,
+    killed: HashSet<u32>,
+}
+
+impl Pool {
+    fn start(&mut self) {
+        let instance = self.next;
+        self.next += 1;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("open the worker log");
+        let mut child = Command::new(&self.example)
+            .args(&self.args)
+            .args(["--instance", &instance.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("start a worker");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let events = self.events.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                match line {
+                    Ok(l) if l.starts_with("settled ") => {
+                        let _ = events.send(Event::Settled(instance));
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            let _ = events.send(Event::Exited(instance));
+        });
+        let stdin = child.stdin.take();
+        self.running.push(Worker {
+            instance,
+            settled: 0,
+            child,
+            stdin,
+        });
+    }
+
+    /// Counts a settle of a running worker; true when it was one.
+    fn settled(&mut self, instance: u32) -> bool {
+        let w = self.running.iter_mut().find(|w| w.instance == instance);
+        w.map(|w| w.settled += 1).is_some()
+    }
+
+    /// SIGKILLs a random worker among those that settled something (`Child::kill` sends
+    /// SIGKILL on Unix) and reaps it.
+    fn kill_one(&mut self) -> u32 {
+        let working: Vec<usize> = (0..self.running.len())
+            .filter(|i| self.running[*i].settled > 0)
+            .collect();
+        let mut w = self
+            .running
+            .swap_remove(working[fastrand::usize(..working.len())]);
+        w.child.kill().expect("SIGKILL a worker");
+        w.child.wait().expect("reap a worker");
+        self.killed.insert(w.instance);
+        w.instance
+    }
+
+    /// A worker's stdout closed: fine once killed, a failure while it should be running.
+    fn exited(&self, instance: u32) {
+        assert!(
+            !self.running.iter().any(|w| w.instance == instance),
+            "worker {instance} exited on its own; its stderr is in {}",
+            self.log.display()
+        );
+    }
+}
+
+/// The figures printed at the end.
+#[derive(Debug, Default)]
+struct Figures {
+    duplicates: usize,
+    kills: usize,
+    effects: usize,
+    doubles: usize,
+    doubles_after_kill: usize,
+    /// Effects whose claim took over a lapsed lease (a kill after a claim).
+    takeovers: usize,
+    seconds: f64,
+}
+
+async fn scenario(mode: Mode) -> Figures {
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let pg_url = conformance::service_env("IDEM_POSTGRES_URL");
+    let store_url = match mode {
+        Mode::Transactional => pg_url.clone(),
+        Mode::Lease => conformance::service_env("IDEM_REDIS_URL"),
+    };
+    let (pg, ledger) = common::postgres().await;
+    let seq = format!("ALTER TABLE {ledger} ADD COLUMN seq bigserial");
+    sqlx::query(sqlx::AssertSqlSafe(seq))
+        .execute(pg.pool())
+        .await
+        .expect("ledger order column");
+    let topic = common::unique("sigkill");
+    let group = common::unique("sigkill-group");
+    let dlq = format!("{topic}.dlq");
+    common::create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
+    let example = build_worker();
+    let store: std::sync::Arc<dyn Backend> = match mode {
+        Mode::Transactional => std::sync::Arc::new(pg.clone()),
+        Mode::Lease => {
+            let config = idem_redis::RedisConfig::new(store_url.as_str())
+                .with_prefix(format!("idem-sigkill:{group}:"));
+            let redis = idem_redis::RedisBackend::connect(config).await;
+            std::sync::Arc::new(redis.expect("connect to IDEM_REDIS_URL"))
+        }
+    };
+
+    // The payments, every fifth one sent twice (the copy anywhere in the stream).
+    let mut ids: Vec<String> = (0..PAYMENTS).map(|i| format!("pay-{i}")).collect();
+    for i in (0..PAYMENTS).step_by(DUPLICATE_EVERY) {
+        ids.insert(fastrand::usize(..=ids.len()), format!("pay-{i}"));
+    }
+    let mut figures = Figures {
+        duplicates: ids.len() - PAYMENTS,
+        ..Figures::default()
+    };
+    let outs: Vec<Out> = ids
+        .iter()
+        .map(|id| Out {
+            partition: None,
+            key: Some(id.as_bytes().to_vec()),
+            payload: format!(r#"{{"id":"{id}"}}"#).into_bytes(),
+            headers: vec![("idempotency-key".into(), id.as_bytes().to_vec())],
+        })
+        .collect();
+
+    let mode_arg = match mode {
+        Mode::Transactional => "transactional",
+        Mode::Lease => "lease",
+    };
+    let schema = pg.schema().to_owned();
+    let args = [
+        ("mode", mode_arg),
+        ("brokers", &brokers),
+        ("topic", &topic),
+        ("group", &group),
+        ("store", &store_url),
+        ("ledger", &pg_url),
+        ("schema", &schema),
+        ("lease-ms", LEASE_MS),
+        ("work-ms", WORK_MS),
+    ];
+    let (events, mut rx) = mpsc::unbounded_channel();
+    let mut pool = Pool {
+        example: example.path().to_owned(),
+        args: args
+            .iter()
+            .flat_map(|(k, v)| [format!("--{k}"), (*v).to_owned()])
+            .collect(),
+        log: std::env::temp_dir().join(format!("{topic}.log")),
+        next: 0,
+        events,
+        running: Vec::new(),
+        killed: HashSet::new(),
+    };
+    eprintln!("workers log to {}", pool.log.display());
+    for _ in 0..WORKERS {
+        pool.start();
+    }
+
+    // A wave before each kill, so every kill finds work; the kill comes once running
+    // workers settled a random number of messages, after a random pause of up to 250 ms,
+    // and hits one of the workers that settled something (its partitions are assigned).
+    let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
+    let waves: Vec<&[Out]> = outs.chunks(outs.len().div_ceil(KILLS + 1)).collect();
+    for (n, wave) in waves.iter().enumerate() {
+        for (p, o) in common::produce(&brokers, &topic, wave).await {
+            let end = ends.entry(p).or_default();
+            *end = (*end).max(o + 1);
+        }
+        if n == KILLS {
+            break;
+        }
+        let want = fastrand::usize(1..=wave.len());
+        let mut seen = 0;
+        while seen < want {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(Event::Settled(i))) => seen += usize::from(pool.settled(i)),
+                Ok(Some(Event::Exited(i))) => pool.exited(i),
+                Ok(None) => unreachable!("the pool holds a sender"),
+                Err(_) => panic!(
+                    "kill {n}: only {seen} of {want} settles in {TIMEOUT:?}; worker log {}",
+                    pool.log.display()
+                ),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(0..250))).await;
+        let victim = pool.kill_one();
+        figures.kills += 1;
+        eprintln!(
+            "{mode_arg} {:5.1} s: killed worker {victim} after {seen} settles",
+            started.elapsed().as_secs_f64()
+        );
+        pool.start();
+    }
+
+    // Done when every payment is in the ledger and Completed, and the offsets reach the
+    // end. Neither the database nor the broker signals, so both are polled.
+    let mut open: Vec<String> = (0..PAYMENTS).map(|i| format!("pay-{i}")).collect();
+    loop {
+        while let Ok(event) = rx.try_recv() {
+            if let Event::Exited(i) = event {
+                pool.exited(i);
+            }
+        }
+        let applied = common::ledger_counts(&pg, &ledger).await;
+        if open.iter().all(|id| applied.contains_key(id)) {
+            let mut still = Vec::new();
+            for id in open {
+                let key = Key::new(group.as_str(), id.as_str()).expect("key");
+                let rec = store.get(&key).await.expect("read a record");
+                if rec.is_none_or(|r| r.state != State::Completed) {
+                    still.push(id);
+                }
+            }
+            open = still;
+            if open.is_empty() && offsets(mode, &pg, &brokers, &group, &topic).await == ends {
+                break;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not done in {TIMEOUT:?}: {} of {PAYMENTS} payments in the ledger, {} not seen \
+             Completed (first {:?}); offsets {:?}, end {ends:?}; worker log {}",
+            applied.len(),
+            open.len(),
+            open.first(),
+            offsets(mode, &pg, &brokers, &group, &topic).await,
+            pool.log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    eprintln!(
+        "{mode_arg} {:5.1} s: every payment in the ledger and Completed, offsets at the end",
+        started.elapsed().as_secs_f64()
+    );
+
+    // A clean stop: stdin closes, each worker stops and says so.
+    for w in &mut pool.running {
+        w.stdin = None;
+    }
+    let mut left: HashSet<u32> = pool.running.iter().map(|w| w.instance).collect();
+    while !left.is_empty() {
+        match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+            Ok(Some(Event::Exited(i))) => {
+                left.remove(&i);
+            }
+            Ok(Some(Event::Settled(_))) => {}
+            Ok(None) | Err(_) => panic!("workers {left:?} did not stop within 30 s"),
+        }
+    }
+    for w in &mut pool.running {
+        let status = w.child.wait().expect("reap a worker");
+        assert!(
+            status.success(),
+            "worker {} stopped with {status}",
+            w.instance
+        );
+    }
+
+    check(mode, &pg, &ledger, &pool.killed, &mut figures).await;
+    figures.seconds = started.elapsed().as_secs_f64();
+    println!(
+        "sigkill ({mode_arg}): {PAYMENTS} payments, {} duplicates, {} kills, {} effects, {} \
+         doubles ({} after a kill), {} effects after a takeover, {:.1} s",
+        figures.duplicates,
+        figures.kills,
+        figures.effects,
+        figures.doubles,
+        figures.doubles_after_kill,
+        figures.takeovers,
+        figures.seconds
+    );
+    common::drop_schema(&pg).await;
+    let _ = std::fs::remove_file(&pool.log);
+    figures
+}
+
+/// Builds the `worker` example. The package variables cargo sets for this test are
+/// removed first: build scripts that watch them (ring's does) would otherwise see them
+/// change, and this build and the next `cargo test` would each rebuild ring and all that
+/// depends on it.
+fn build_worker() -> escargot::CargoRun {
+    let mut build = escargot::CargoBuild::new()
+        .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
+        .package("idem-kafka")
+        .example("worker");
+    for (name, _) in std::env::vars_os() {
+        let set_for_tests = name.to_str().is_some_and(|n| {
+            [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_CRATE_",
+                "CARGO_PRIMARY_",
+            ]
+            .iter()
+            .any(|p| n.starts_with(p))
+                || n == "CARGO_TARGET_TMPDIR"
+        });
+        if set_for_tests {
+            build = build.env_remove(name);
+        }
+    }
+    build.run().expect("build the worker example")
+}
+
+/// The group's next offsets by partition: PostgreSQL's in transactional mode (where the
+/// consumer seeks on assignment), Kafka's committed offsets in lease mode.
+async fn offsets(
+    mode: Mode,
+    pg: &idem_postgres::PgBackend,
+    brokers: &str,
+    group: &str,
+    topic: &str,
+) -> BTreeMap<i32, i64> {
+    match mode {
+        Mode::Transactional => pg
+            .stored_offsets(group)
+            .await
+            .expect("stored offsets")
+            .into_iter()
+            .filter(|s| s.topic == topic)
+            .map(|s| (s.partition, s.next_offset))
+            .collect(),
+        Mode::Lease => {
+            let (b, g, t) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
+            let got =
+                tokio::task::spawn_blocking(move || common::committed(&b, &g, &t, PARTITIONS))
+                    .await
+                    .expect("committed offsets");
+            (0..PARTITIONS).zip(got).filter(|(_, o)| *o >= 0).collect()
+        }
+    }
+}
+
+/// The ledger: every payment applied; in transactional mode once; in lease mode each
+/// later effect of a payment (in the order they were written) has a higher token than the
+/// one before and comes from a takeover.
+async fn check(
+    mode: Mode,
+    pg: &idem_postgres::PgBackend,
+    ledger: &str,
+    killed: &HashSet<u32>,
+    figures: &mut Figures,
+) {
+    let q = format!("SELECT payment, token, instance, kind FROM {ledger} ORDER BY seq");
+    let rows: Vec<(String, i64, i32, String)> = sqlx::query_as(sqlx::AssertSqlSafe(q))
+        .fetch_all(pg.pool())
+        .await
+        .expect("read the ledger");
+    let mut by_id: HashMap<String, Vec<(i64, i32, String)>> = HashMap::new();
+    for (payment, token, instance, kind) in rows {
+        by_id
+            .entry(payment)
+            .or_default()
+            .push((token, instance, kind));
+    }
+    let lost: Vec<String> = (0..PAYMENTS)
+        .map(|i| format!("pay-{i}"))
+        .filter(|id| !by_id.contains_key(id))
+        .collect();
+    assert!(lost.is_empty(), "payments lost: {lost:?}");
+    for (id, effects) in &by_id {
+        figures.effects += effects.len();
+        figures.takeovers += effects.iter().filter(|e| e.2 == "Takeover").count();
+        if mode == Mode::Transactional {
+            assert_eq!(effects.len(), 1, "{id} applied more than once: {effects:?}");
+        }
+        for pair in effects.windows(2) {
+            let ((earlier, by, _), (later, _, kind)) = (&pair[0], &pair[1]);
+            assert!(
+                later > earlier && kind == "Takeover",
+                "{id}: a double effect without a takeover with a higher token: {effects:?}"
+            );
+            figures.doubles += 1;
+            if u32::try_from(*by).is_ok_and(|by| killed.contains(&by)) {
+                figures.doubles_after_kill += 1;
+            }
+        }
+    }
+    assert_eq!(by_id.len(), PAYMENTS, "no payment outside the plan");
+}
