@@ -9,7 +9,7 @@ use bytes::Bytes;
 use idem_core::machine::lapsed_error;
 use idem_core::{
     Backend, ClaimKind, ClaimOutcome, Engine, Error, FailureKind, Fingerprint, Lease, Outcome,
-    State, WaitPolicy,
+    Settlement, State, WaitPolicy,
 };
 
 use crate::Factory;
@@ -219,13 +219,24 @@ pub async fn fencing_same_owner<F: Factory>(f: &F) {
     );
     let before = b.get(&key).await.expect("get");
     let stale = Bytes::from_static(b"stale");
-    assert_fenced("old complete", b.complete(&old, stale, HOUR).await);
+    assert_fenced("old complete", b.complete(&old, stale.clone(), HOUR).await);
     assert_fenced(
         "old fail",
         b.fail(&old, "x", FailureKind::Permanent, HOUR).await,
     );
     assert_fenced("old extend", b.extend(&old, fx.lease).await);
     assert_fenced("old release", b.release(&old).await);
+    // The same through the batch call, which a store may write on another path.
+    let batch = [
+        Settlement::complete(old.clone(), stale.clone()),
+        Settlement::fail(old.clone(), "x", FailureKind::Permanent),
+        Settlement::release(old.clone()),
+    ];
+    let answers = b.settle_many(&batch, HOUR).await.expect("settle_many");
+    assert_eq!(answers.len(), batch.len());
+    for (answer, what) in answers.into_iter().zip(["complete", "fail", "release"]) {
+        assert_fenced(&format!("old {what} in a batch"), answer);
+    }
     let after = b.get(&key).await.expect("get");
     assert_eq!(
         after, before,
@@ -385,16 +396,18 @@ pub async fn bounded_attempts_failures<F: Factory>(f: &F) {
             .await
             .expect("fail");
     }
+    let poisoned = ClaimOutcome::Poisoned {
+        attempts: 3,
+        error: "error 3".into(),
+    };
     for _ in 0..2 {
         let answer = fx.backend.claim(&claim).await.expect("claim");
-        assert_eq!(
-            answer,
-            ClaimOutcome::Poisoned {
-                attempts: 3,
-                error: "error 3".into()
-            }
-        );
+        assert_eq!(answer, poisoned);
     }
+    // The same in a batch that names the key twice (where a store may take another path).
+    let batch = [claim.clone(), claim.clone()];
+    let answers = fx.backend.claim_many(&batch).await.expect("claim_many");
+    assert_eq!(answers, vec![poisoned.clone(), poisoned]);
 }
 
 /// Invariants 5 and 6: lapsed leases count as attempts; a lapsed lease whose attempts are

@@ -10,8 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt};
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
+use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Settlement};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::BenchArgs;
@@ -164,41 +163,38 @@ async fn prepare_replay(subject: &Subject, keys: &Keys) -> Result<Arc<Vec<Claim>
     Ok(Arc::new(claims))
 }
 
-/// How many completes of one batch run at once: as many as DynamoDB's `claim_many` keeps
-/// in flight, so that a batch of 128 on 64 workers does not send 8,192 writes at once.
-const COMPLETES_IN_FLIGHT: usize = 16;
-
-/// Claims fresh keys (one call) and completes each, [`COMPLETES_IN_FLIGHT`] at a time.
+/// Claims fresh keys and completes them: one `claim` and one `complete` for a single key,
+/// one `claim_many` and one `settle_many` for a batch (what a Kafka poll batch costs).
 async fn claim_and_complete(backend: &Arc<dyn Backend>, claims: &[Claim]) -> Result<()> {
-    let answers = match claims {
-        [one] => vec![backend.claim(one).await.store("claim")?],
-        many => backend.claim_many(many).await.store("claim_many")?,
-    };
     let body = Bytes::from_static(RESPONSE);
-    let completes: Vec<_> = answers
+    let lease = |answer: ClaimOutcome, claim: &Claim| match answer {
+        ClaimOutcome::Acquired(lease) => Ok(lease),
+        other => Err(Error::Refused(format!(
+            "bench: fresh key {} answered {other:?}, not Acquired",
+            claim.key
+        ))),
+    };
+    if let [one] = claims {
+        let lease = lease(backend.claim(one).await.store("claim")?, one)?;
+        return backend
+            .complete(&lease, body, RETENTION)
+            .await
+            .store("complete");
+    }
+    let answers = backend.claim_many(claims).await.store("claim_many")?;
+    let items = answers
         .into_iter()
         .zip(claims)
-        .map(|(answer, claim)| {
-            let body = body.clone();
-            async move {
-                let ClaimOutcome::Acquired(lease) = answer else {
-                    return Err(Error::Refused(format!(
-                        "bench: fresh key {} answered {answer:?}, not Acquired",
-                        claim.key
-                    )));
-                };
-                backend
-                    .complete(&lease, body, RETENTION)
-                    .await
-                    .store("complete")
-            }
-        })
-        .collect();
-    futures::stream::iter(completes)
-        .buffer_unordered(COMPLETES_IN_FLIGHT)
-        .try_collect::<Vec<()>>()
+        .map(|(answer, claim)| Ok(Settlement::complete(lease(answer, claim)?, body.clone())))
+        .collect::<Result<Vec<_>>>()?;
+    let settled = backend
+        .settle_many(&items, RETENTION)
         .await
-        .map(drop)
+        .store("settle_many")?;
+    for (answer, item) in settled.into_iter().zip(&items) {
+        answer.store(format!("settle_many: complete of {}", item.lease.key))?;
+    }
+    Ok(())
 }
 
 async fn raw_workload(

@@ -8,7 +8,6 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 
-use super::COMPLETES_IN_FLIGHT;
 use super::measure::Measure;
 use super::subject::Subject;
 use crate::cli::BenchArgs;
@@ -409,10 +408,8 @@ impl Report {
 
     fn draw_footer(&self, area: &Area<'_>) -> Result<(), Box<dyn std::error::Error>> {
         let notes = [
-            format!(
-                "idem: one claim call per batch (claim_many above 1), then a complete per key, \
-                 {COMPLETES_IN_FLIGHT} in flight."
-            ),
+            "idem: claim then complete; above batch 1, one claim_many and one settle_many per batch."
+                .to_owned(),
             "raw: the store's own write-if-absent, through the same client, in the same run."
                 .to_owned(),
             format!(
