@@ -156,8 +156,8 @@ async fn dynamo_subject(endpoint: &str) -> Subject {
 async fn postgres(url: &str) -> Subject {
     use idem_postgres::{PgBackend, PgConfig};
     let config = PgConfig::new(url)
-        .schema("idem_compare")
-        .max_connections(32);
+        .with_schema("idem_compare")
+        .with_max_connections(32);
     let backend = PgBackend::connect(config).await.expect("connect");
     let pool = backend.pool().clone();
     for stmt in [

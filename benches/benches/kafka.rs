@@ -433,7 +433,9 @@ async fn stores() -> Stores {
     let postgres = match env("IDEM_POSTGRES_URL") {
         None => None,
         Some(url) => {
-            let config = PgConfig::new(url).schema(SCHEMA).max_connections(16);
+            let config = PgConfig::new(url)
+                .with_schema(SCHEMA)
+                .with_max_connections(16);
             let backend = PgBackend::connect(config)
                 .await
                 .expect("connect PostgreSQL");

@@ -35,7 +35,9 @@ fn fresh() -> u64 {
 }
 
 async fn setup(url: &str) -> PgBackend {
-    let config = PgConfig::new(url).schema("idem_bench").max_connections(32);
+    let config = PgConfig::new(url)
+        .with_schema("idem_bench")
+        .with_max_connections(32);
     let backend = PgBackend::connect(config).await.expect("connect");
     let pool = backend.pool().clone();
     for stmt in [

@@ -126,7 +126,9 @@ fn main() {
         }
         match std::env::var("IDEM_POSTGRES_URL") {
             Ok(url) => {
-                let config = PgConfig::new(url).schema("idem_wake").max_connections(8);
+                let config = PgConfig::new(url)
+                    .with_schema("idem_wake")
+                    .with_max_connections(8);
                 let backend = PgBackend::connect(config).await.expect("postgres");
                 backend.migrate().await.expect("migrate");
                 report("postgres", Arc::new(backend), &run).await;

@@ -202,7 +202,7 @@ async fn a_permanent_error_poisons_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn an_oversized_response_poisons_with_the_reason() {
-    let backend: Arc<dyn Backend> = Arc::new(memory().max_response_bytes(16));
+    let backend: Arc<dyn Backend> = Arc::new(memory().with_max_response_bytes(16));
     let a = engine(backend, "a");
     let out = a
         .execute(&key("big"), b"p", |_| async {

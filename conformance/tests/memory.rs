@@ -24,7 +24,10 @@ impl Factory for Memory {
 
     async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<MemoryBackend>> {
         let (backend, clock) = fresh();
-        Some(Fixture::manual(backend.max_response_bytes(limit), clock))
+        Some(Fixture::manual(
+            backend.with_max_response_bytes(limit),
+            clock,
+        ))
     }
 }
 

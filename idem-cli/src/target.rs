@@ -121,8 +121,8 @@ impl Target {
             #[cfg(feature = "postgres")]
             Target::Postgres { url, schema } => {
                 let config = idem_postgres::PgConfig::new(url.clone())
-                    .schema(schema.clone())
-                    .max_connections(options.pool_size.clamp(1, 128));
+                    .with_schema(schema.clone())
+                    .with_max_connections(options.pool_size.clamp(1, 128));
                 let backend = idem_postgres::PgBackend::connect(config)
                     .await
                     .store(what)?;

@@ -30,7 +30,7 @@ async fn operator_commands_on_postgres() {
         );
     }
 
-    let backend = PgBackend::connect(PgConfig::new(base.clone()).schema(schema.clone()))
+    let backend = PgBackend::connect(PgConfig::new(base.clone()).with_schema(schema.clone()))
         .await
         .expect("connect to IDEM_POSTGRES_URL");
     operator_scenario(&url, Arc::new(backend.clone()), "orders").await;

@@ -64,7 +64,7 @@ impl MemoryBackend {
     }
 
     /// Sets the largest response `complete` accepts (default 64 KiB).
-    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+    pub fn with_max_response_bytes(mut self, bytes: usize) -> Self {
         self.max_response_bytes = bytes;
         self
     }

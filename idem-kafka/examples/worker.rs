@@ -199,8 +199,8 @@ async fn transactional(
     insert: String,
 ) -> Result<IdemConsumer, String> {
     let config = PgConfig::new(args.store.as_str())
-        .schema(args.schema.as_str())
-        .max_connections(8);
+        .with_schema(args.schema.as_str())
+        .with_max_connections(8);
     let pg = PgBackend::connect(config)
         .await
         .map_err(|e| format!("--store: {e}"))?;

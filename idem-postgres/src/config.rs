@@ -42,31 +42,31 @@ impl PgConfig {
     }
 
     /// Sets the schema.
-    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+    pub fn with_schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
         self
     }
 
     /// Sets the pool size.
-    pub fn max_connections(mut self, n: u32) -> Self {
+    pub fn with_max_connections(mut self, n: u32) -> Self {
         self.max_connections = n;
         self
     }
 
     /// Sets the connect timeout.
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
 
     /// Sets the application name shown in `pg_stat_activity`.
-    pub fn application_name(mut self, name: impl Into<String>) -> Self {
+    pub fn with_application_name(mut self, name: impl Into<String>) -> Self {
         self.application_name = name.into();
         self
     }
 
     /// Sets the largest response `complete` accepts.
-    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+    pub fn with_max_response_bytes(mut self, bytes: usize) -> Self {
         self.max_response_bytes = bytes;
         self
     }
@@ -137,7 +137,7 @@ mod tests {
     fn schema_names_are_checked() {
         assert_eq!(PgConfig::new("x").quoted_schema().unwrap(), "\"idem\"");
         for bad in ["", "Idem", "a-b", "x\"; drop table t; --", "1abc"] {
-            let res = PgConfig::new("x").schema(bad).quoted_schema();
+            let res = PgConfig::new("x").with_schema(bad).quoted_schema();
             assert!(matches!(res, Err(Error::Config { .. })), "{bad}: {res:?}");
         }
     }

@@ -32,7 +32,7 @@ async fn setup_with(
 }
 
 async fn setup() -> (PgBackend, String) {
-    setup_with(|c| c.max_connections(8)).await
+    setup_with(|c| c.with_max_connections(8)).await
 }
 
 fn claims(ids: &[&str], owner: &str, lease: Duration) -> Vec<Claim> {
@@ -247,7 +247,7 @@ async fn waits_for_a_lock(backend: &PgBackend, application: &str) -> bool {
 async fn a_message_taken_over_before_the_batch_locks_it_is_fenced_and_never_runs() {
     let app = format!("btx-fence-{}", std::process::id());
     let (backend, ledger) =
-        setup_with(|c| c.max_connections(4).application_name(app.clone())).await;
+        setup_with(|c| c.with_max_connections(4).with_application_name(app.clone())).await;
     let backend = Arc::new(backend);
     let short = Duration::from_millis(300);
     // "a-block" exists and can be retried; another transaction holds it FOR KEY SHARE, which

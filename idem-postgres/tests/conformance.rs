@@ -26,7 +26,8 @@ impl Factory for Postgres {
     }
 
     async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<PgBackend>> {
-        let backend = common::backend_with(|c| c.max_connections(20).max_response_bytes(limit));
+        let backend =
+            common::backend_with(|c| c.with_max_connections(20).with_max_response_bytes(limit));
         Some(Fixture::real(backend.await, LEASE))
     }
 }
@@ -35,7 +36,7 @@ impl Remote for Postgres {
     /// The pool connects at once, within the connect timeout.
     async fn connect_to(&self, addr: SocketAddr) -> Result<PgBackend> {
         let url = format!("postgres://postgres@{addr}/test");
-        PgBackend::connect(PgConfig::new(url).connect_timeout(TIMEOUT)).await
+        PgBackend::connect(PgConfig::new(url).with_connect_timeout(TIMEOUT)).await
     }
 
     fn unavailable_within(&self) -> Duration {

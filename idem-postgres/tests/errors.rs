@@ -24,7 +24,7 @@ fn claim(key: &Key) -> Claim {
 #[tokio::test]
 async fn a_closed_port_fails_within_the_timeout_without_the_password() {
     let config = PgConfig::new("postgres://app:hunter2-secret@127.0.0.1:1/test")
-        .connect_timeout(Duration::from_millis(500));
+        .with_connect_timeout(Duration::from_millis(500));
     let res = tokio::time::timeout(Duration::from_secs(10), PgBackend::connect(config))
         .await
         .expect("connect must not hang");
@@ -42,7 +42,7 @@ async fn a_closed_port_fails_within_the_timeout_without_the_password() {
 
 #[tokio::test]
 async fn an_unmigrated_schema_is_a_config_error_naming_migrate() {
-    let config = PgConfig::new(common::url()).schema(common::fresh_schema());
+    let config = PgConfig::new(common::url()).with_schema(common::fresh_schema());
     let backend = PgBackend::connect(config).await.expect("connect");
     let res = backend
         .claim(&claim(&Key::new("ns", "k").expect("key")))
@@ -55,7 +55,7 @@ async fn an_unmigrated_schema_is_a_config_error_naming_migrate() {
 
 #[tokio::test]
 async fn a_bad_schema_name_is_refused() {
-    let config = PgConfig::new(common::url()).schema("idem; drop table x");
+    let config = PgConfig::new(common::url()).with_schema("idem; drop table x");
     let res = PgBackend::connect(config).await;
     assert!(matches!(res, Err(Error::Config { .. })), "{res:?}");
 }
@@ -63,7 +63,7 @@ async fn a_bad_schema_name_is_refused() {
 #[tokio::test]
 async fn a_dropped_connection_is_unavailable_then_recovers() {
     let app = common::fresh_schema(); // a name no other pool uses
-    let config = PgConfig::new(common::url()).application_name(app.clone());
+    let config = PgConfig::new(common::url()).with_application_name(app.clone());
     let backend = PgBackend::connect(config).await.expect("connect");
     let key = Key::new("ns", "dropped").expect("key");
     let _ = backend.get(&key).await; // warm the pool (the default schema may not exist)

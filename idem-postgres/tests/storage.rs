@@ -52,7 +52,7 @@ async fn table_stat(backend: &PgBackend, schema: &str, column: &str) -> i64 {
 /// A migrated backend in a fresh schema, over one connection (so that its statistics
 /// can be flushed, and its cached plans are the ones every call uses).
 async fn single_connection() -> (PgBackend, String) {
-    let backend = common::backend_with(|c| c.max_connections(1)).await;
+    let backend = common::backend_with(|c| c.with_max_connections(1)).await;
     let schema = backend.schema().to_owned();
     (backend, schema)
 }

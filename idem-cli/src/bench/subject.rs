@@ -359,8 +359,8 @@ async fn postgres(url: &str, tag: &str, workers: u32, shown: String) -> Result<S
 
     let schema = format!("idem_bench_{tag}");
     let config = PgConfig::new(url)
-        .schema(schema.clone())
-        .max_connections(workers.clamp(4, 64));
+        .with_schema(schema.clone())
+        .with_max_connections(workers.clamp(4, 64));
     let backend = PgBackend::connect(config)
         .await
         .store(format!("connect to {shown}"))?;

@@ -425,8 +425,8 @@ pub async fn postgres() -> (idem_postgres::PgBackend, String) {
     let url = conformance::service_env("IDEM_POSTGRES_URL");
     let schema = format!("kafkatest_{}_{}", std::process::id(), fastrand::u32(..));
     let config = idem_postgres::PgConfig::new(url)
-        .schema(schema.clone())
-        .max_connections(30);
+        .with_schema(schema.clone())
+        .with_max_connections(30);
     let backend = idem_postgres::PgBackend::connect(config)
         .await
         .expect("connect to IDEM_POSTGRES_URL");

@@ -21,12 +21,12 @@ pub fn fresh_schema() -> String {
 
 /// A migrated backend in its own schema.
 pub async fn backend() -> PgBackend {
-    backend_with(|c| c.max_connections(20)).await
+    backend_with(|c| c.with_max_connections(20)).await
 }
 
 /// A migrated backend in its own schema, with `configure` applied to its configuration.
 pub async fn backend_with(configure: impl FnOnce(PgConfig) -> PgConfig) -> PgBackend {
-    let config = configure(PgConfig::new(url()).schema(fresh_schema()));
+    let config = configure(PgConfig::new(url()).with_schema(fresh_schema()));
     let backend = PgBackend::connect(config)
         .await
         .expect("connect to IDEM_POSTGRES_URL");
