@@ -261,7 +261,81 @@ mod tests {
                 error: lapsed_error(2)
             }
         );
-        assert_eq!(rec.map(|r| r.state), Some(State::Failed));
+        let rec = rec.expect("the spent record is written");
+        assert_eq!(rec.state, State::Failed);
+        assert_eq!(rec.lease_until, None, "a failed record holds no lease");
+        assert_eq!(
+            rec.expires_at,
+            Some(t2.saturating_add(Duration::from_secs(100))),
+            "retention counts from the claim that found the lease spent"
+        );
+    }
+
+    /// The text is part of the contract: Redis's claim script writes the same words.
+    #[test]
+    fn lapsed_error_names_the_attempt() {
+        assert_eq!(lapsed_error(3), "lease lapsed during attempt 3");
+    }
+
+    /// A record is gone at its `expires_at` millisecond, not after it (Redis drops a key
+    /// one millisecond past its `PEXPIRETIME`, which the Redis backend sets one earlier).
+    #[test]
+    fn a_record_expires_at_its_expiry_millisecond() {
+        let (_, rec) = claim(None, &req("a"), Timestamp::from_millis(0));
+        let rec = rec.unwrap();
+        let at = rec.expires_at.unwrap();
+        assert!(is_live(&rec, Timestamp::from_millis(at.as_millis() - 1)));
+        assert!(!is_live(&rec, at));
+    }
+
+    /// Each transition writes its whole record: nothing of the attempt before it stays.
+    #[test]
+    fn settles_and_retries_rewrite_lease_error_and_expiry() {
+        let t0 = Timestamp::from_millis(1_000);
+        let (out, rec) = claim(None, &req("a"), t0);
+        let lease = lease_of(out);
+        let t1 = t0.saturating_add(Duration::from_secs(1));
+        let retention = Duration::from_secs(50);
+        let failed = fail(
+            rec.as_ref(),
+            &lease,
+            "boom",
+            FailureKind::Retry,
+            retention,
+            t1,
+        );
+        let failed = failed.expect("the holder fails");
+        assert_eq!(failed.lease_until, None);
+        assert_eq!(failed.expires_at, Some(t1.saturating_add(retention)));
+        assert_eq!(failed.error.as_deref(), Some("boom"));
+
+        let t2 = t1.saturating_add(Duration::from_secs(1));
+        let (out, rec) = claim(Some(&failed), &req("a"), t2);
+        let lease = lease_of(out);
+        let retried = rec.expect("the retry is written");
+        assert_eq!(lease.kind, ClaimKind::Retry);
+        assert_eq!(
+            retried.lease_until,
+            Some(t2.saturating_add(Duration::from_secs(10)))
+        );
+        assert_eq!(
+            retried.expires_at,
+            Some(t2.saturating_add(Duration::from_secs(110)))
+        );
+
+        let t3 = t2.saturating_add(Duration::from_secs(1));
+        let done = complete(
+            Some(&retried),
+            &lease,
+            Bytes::from_static(b"ok"),
+            retention,
+            t3,
+        );
+        let done = done.expect("the holder completes");
+        assert_eq!(done.state, State::Completed);
+        assert_eq!(done.lease_until, None);
+        assert_eq!(done.error, None, "the earlier attempt's error is gone");
+        assert_eq!(done.expires_at, Some(t3.saturating_add(retention)));
     }
 
     #[test]
