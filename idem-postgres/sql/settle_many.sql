@@ -4,6 +4,14 @@
 -- (complete), $7 error (fail), $8 permanent (fail), $9 retention (ms). Returns the 1-based
 -- positions of the leases it settled; a position missing from the answer was fenced.
 -- In batch transactional mode batch_offset.sql follows `done`: it stores an offset too.
+--
+-- The expiry test is written so that no index matches it (`coalesce(…)`, not `expires_at IS
+-- NULL OR expires_at > now()`): the keys' primary key is then the only index this join can
+-- use. idem's connections force one generic plan per statement with sequential scans off
+-- (`PLANNING` in src/backend.rs), made at the first run, while the table may be small; a
+-- plan made then once read every live record through `idem_records_expires_at` and joined
+-- the keys to them, and kept doing so as the table grew
+-- (tests/storage.rs, `batch_settles_find_rows_by_index_after_the_table_grows_under_cached_plans`).
 WITH i AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::text[], $5::text[],
                          $6::bytea[], $7::text[], $8::bool[], $9::int8[])
@@ -27,7 +35,7 @@ SET state = CASE i.action WHEN 'complete' THEN 'completed' WHEN 'fail' THEN 'fai
 FROM i
 WHERE r.namespace = i.namespace AND r.id = i.id AND r.state = 'processing'
     AND r.token = i.token AND r.owner = i.owner
-    AND (r.expires_at IS NULL OR r.expires_at > now())
+    AND coalesce(r.expires_at > now(), true)
     AND (i.action <> 'release' OR (r.lease_until > now() AND r.attempts > 0))
 RETURNING i.n
 ){offset}
