@@ -5,9 +5,8 @@
 -- positions of the leases it settled; a position missing from the answer was fenced.
 -- In batch transactional mode batch_offset.sql follows `done`: it stores an offset too.
 --
--- The expiry test is written so that no index matches it (`coalesce(…)`, not `expires_at IS
--- NULL OR expires_at > now()`): the keys' primary key is then the only index this join can
--- use. idem's connections force one generic plan per statement with sequential scans off
+-- The fencing rule `{holds_batch}` (`holds` in src/sql.rs) tests expiry so that no index
+-- matches it: the keys' primary key is then the only index this join can use. idem's connections force one generic plan per statement with sequential scans off
 -- (`PLANNING` in src/backend.rs), made at the first run, while the table may be small; a
 -- plan made then once read every live record through `idem_records_expires_at` and joined
 -- the keys to them, and kept doing so as the table grew
@@ -33,9 +32,7 @@ SET state = CASE i.action WHEN 'complete' THEN 'completed' WHEN 'fail' THEN 'fai
         ELSE {settled_expiry_batch} END,
     updated_at = now()
 FROM i
-WHERE r.namespace = i.namespace AND r.id = i.id AND r.state = 'processing'
-    AND r.token = i.token AND r.owner = i.owner
-    AND coalesce(r.expires_at > now(), true)
+WHERE r.namespace = i.namespace AND r.id = i.id AND {holds_batch}
     AND (i.action <> 'release' OR (r.lease_until > now() AND r.attempts > 0))
 RETURNING i.n
 ){offset}

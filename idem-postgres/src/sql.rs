@@ -10,8 +10,19 @@ const COLUMNS: &str = "namespace, id, state, owner, token, attempts, claim_kind,
     ceil(extract(epoch FROM lease_until) * 1000)::int8 AS lease_until_ms, fingerprint, \
     response, error, permanent, ceil(extract(epoch FROM expires_at) * 1000)::int8 AS expires_at_ms";
 const LIVE: &str = "(expires_at IS NULL OR expires_at > now())";
-const HOLDS: &str = "state = 'processing' AND token = $3 AND owner = $4 \
-    AND (expires_at IS NULL OR expires_at > now())";
+
+/// Whether record `r` is held by the lease with `token` and `owner`: `Processing` under
+/// that token and owner, and not expired. The one fencing rule of every settle, extend and
+/// lock. The expiry test is written so that no index matches it (`coalesce(…)`, not
+/// `expires_at IS NULL OR …`): the keys' primary key is then the only index a statement
+/// can find its rows by, which matters for the batch statements' cached generic plans (see
+/// `settle_many.sql`).
+fn holds(r: &str, token: &str, owner: &str) -> String {
+    format!(
+        "({r}.state = 'processing' AND {r}.token = {token} AND {r}.owner = {owner} \
+         AND coalesce({r}.expires_at > now(), true))"
+    )
+}
 
 /// The expiry of record `r` as `complete` or `fail` settles it, with retention
 /// `retention_ms` (a parameter or a column): `now() + retention`, unless the claim already
@@ -72,7 +83,8 @@ impl Stmt {
             .replace("{claimable_current}", &claimable("c", "i"))
             .replace("{columns}", COLUMNS)
             .replace("{live}", LIVE)
-            .replace("{holds}", HOLDS)
+            .replace("{holds}", &holds("r", "$3", "$4"))
+            .replace("{holds_batch}", &holds("r", "i.token", "i.owner"))
             .replace("{settled_expiry_6}", &settled_expiry("$6"))
             .replace("{settled_expiry_7}", &settled_expiry("$7"))
             .replace("{settled_expiry_batch}", &settled_expiry("i.retention_ms"))
