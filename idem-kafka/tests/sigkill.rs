@@ -17,7 +17,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::Out;
-use idem_core::{Backend, Key, State};
+use idem_core::{Backend, Key, State, Transactional};
 use tokio::sync::mpsc;
 
 const PAYMENTS: usize = 1000;

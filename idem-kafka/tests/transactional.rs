@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{Out, Recorder, builder, committed, consumer_config, mock, produce, start, unique};
 use futures::FutureExt;
-use idem_core::{Backend, HandlerError, Key, State};
+use idem_core::{Backend, HandlerError, Key, State, Transactional};
 use idem_kafka::{IdemConsumer, MissingKey};
 use idem_postgres::OffsetPosition;
 

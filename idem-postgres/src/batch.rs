@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    Claim, Error, HandlerError, Lease, OffsetPosition, Outcome, Result, Settlement, TxFuture,
+    Claim, Error, HandlerError, Lease, OffsetPosition, Outcome, Result, Settlement, Transactional,
+    TxFuture,
 };
 
 use sqlx::AssertSqlSafe;
@@ -20,18 +21,8 @@ const NEXT_SAVEPOINT: &str = "RELEASE SAVEPOINT idem_item; SAVEPOINT idem_item";
 const ROLLBACK: &str = "ROLLBACK TO SAVEPOINT idem_item";
 
 impl PgBackend {
-    /// [`idem_core::Transactional::execute_batch_in_transaction`] on PostgreSQL: the
-    /// claims in one statement (asynchronous commit, as for one message), then one
-    /// transaction of
-    ///
-    /// 1. one `SELECT … FOR UPDATE` of the records the batch's leases still hold, in key
-    ///    order: a lease not held any more is `Fenced` (its handler does not run); a held
-    ///    one cannot be taken over until the transaction ends;
-    /// 2. each held lease's handler under `SAVEPOINT idem_item` (one round trip per
-    ///    handler besides its own statements): an error or panic rolls back to it;
-    /// 3. one statement that completes the successes, fails the failures and stores the
-    ///    offset `offset` chose from the outcomes; then COMMIT.
-    pub async fn execute_batch_in_transaction<H, O>(
+    /// The body of `execute_batch_in_transaction` (see its docs in `transactional.rs`).
+    pub(crate) async fn run_batch<H, O>(
         &self,
         claims: &[Claim],
         retention: Duration,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
-use idem_core::{Backend, Claim, Fingerprint, HandlerError, Key, Outcome, State};
+use idem_core::{Backend, Claim, Fingerprint, HandlerError, Key, Outcome, State, Transactional};
 use idem_postgres::{OffsetPosition, PgBackend, PgTransaction, StoredOffset};
 use sqlx::AssertSqlSafe;
 
