@@ -1,5 +1,7 @@
 //! The `Backend` trait every store implements.
 
+use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -251,3 +253,29 @@ macro_rules! forward {
 
 forward!(Arc);
 forward!(Box);
+
+/// `items` grouped by `key`: one group per distinct key, in the order each key first
+/// appears, each group in the order of `items`. What a batch call needs to keep the items
+/// of one key in order (a backend's rounds of distinct keys, a cluster's slots, a
+/// partition's lanes).
+///
+/// ```
+/// let words = ["a", "b", "a", "c", "b"];
+/// let groups = idem_core::group_by(0..words.len(), |&i| words[i]);
+/// assert_eq!(groups, vec![vec![0, 2], vec![1, 4], vec![3]]);
+/// ```
+pub fn group_by<T, K: Hash + Eq>(
+    items: impl IntoIterator<Item = T>,
+    mut key: impl FnMut(&T) -> K,
+) -> Vec<Vec<T>> {
+    let mut index: HashMap<K, usize, foldhash::fast::FixedState> = HashMap::default();
+    let mut groups: Vec<Vec<T>> = Vec::new();
+    for item in items {
+        let g = *index.entry(key(&item)).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[g].push(item);
+    }
+    groups
+}

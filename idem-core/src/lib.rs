@@ -15,7 +15,7 @@ mod record;
 mod transactional;
 pub mod watch;
 
-pub use backend::{Backend, Capabilities, ListFilter};
+pub use backend::{Backend, Capabilities, ListFilter, group_by};
 pub use engine::{Engine, EngineBuilder, Outcome, Ran, WaitPolicy};
 pub use error::{BoxError, Error, Result};
 pub use handler::{Context, HandlerError};

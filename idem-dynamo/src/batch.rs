@@ -1,26 +1,10 @@
 //! Running a batch as concurrent single writes while keeping each key's items in order.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash;
 
 use futures::{StreamExt, TryStreamExt, stream};
-use idem_core::{Error, Result};
-
-/// Indices of `items` grouped by key: one group per distinct key, in order of first
-/// appearance, each group in batch order.
-pub(crate) fn key_groups<T, K: Eq + Hash>(items: &[T], key: impl Fn(&T) -> &K) -> Vec<Vec<usize>> {
-    let mut groups: Vec<Vec<usize>> = Vec::new();
-    let mut by_key: HashMap<&K, usize> = HashMap::new();
-    for (i, item) in items.iter().enumerate() {
-        let g = *by_key.entry(key(item)).or_insert_with(|| {
-            groups.push(Vec::new());
-            groups.len() - 1
-        });
-        groups[g].push(i);
-    }
-    groups
-}
+use idem_core::{Error, Result, group_by};
 
 /// `run` on every item, answers in batch order. At most `parallel` calls are in flight;
 /// the items of one key run one after another in batch order, each after the previous one
@@ -37,7 +21,8 @@ where
     Fut: Future<Output = Result<A>>,
 {
     let run = &run;
-    let answered: Vec<Vec<(usize, A)>> = stream::iter(key_groups(items, key))
+    let groups = group_by(0..items.len(), |&i| key(&items[i]));
+    let answered: Vec<Vec<(usize, A)>> = stream::iter(groups)
         .map(|group| async move {
             let mut out = Vec::with_capacity(group.len());
             for i in group {
@@ -61,16 +46,6 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
-
-    #[test]
-    fn groups_keep_first_appearance_and_batch_order() {
-        let items = ["a", "b", "a", "c", "b", "a"];
-        assert_eq!(
-            key_groups(&items, |s| s),
-            [vec![0, 2, 5], vec![1, 4], vec![3]]
-        );
-        assert!(key_groups::<&str, &str>(&[], |s| s).is_empty());
-    }
 
     #[tokio::test]
     async fn a_key_runs_in_order_and_answers_keep_positions() {

@@ -2,8 +2,7 @@
 //! an ordering key, the low-water mark of a chunk, and a settler that gathers what
 //! concurrent handlers return into batch settles.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash};
+use std::hash::Hash;
 use std::sync::Mutex;
 
 use idem_core::{Outcome, Settlement};
@@ -25,25 +24,11 @@ pub enum OrderBy {
 }
 
 /// Groups positions `0..n` into lanes by ordering key, each lane in order. A position
-/// without a key gets a lane of its own. Keys are compared by a 64-bit hash: two keys that
-/// collide share a lane, which only adds order, never removes it.
-pub(crate) fn lanes<K: Hash>(keys: impl Iterator<Item = Option<K>>) -> Vec<Vec<usize>> {
-    let hasher = foldhash::fast::FixedState::default();
-    let mut by_key: HashMap<u64, usize> = HashMap::new();
-    let mut lanes: Vec<Vec<usize>> = Vec::new();
-    for (i, key) in keys.enumerate() {
-        match key {
-            None => lanes.push(vec![i]),
-            Some(key) => {
-                let lane = *by_key.entry(hasher.hash_one(key)).or_insert_with(|| {
-                    lanes.push(Vec::new());
-                    lanes.len() - 1
-                });
-                lanes[lane].push(i);
-            }
-        }
-    }
-    lanes
+/// without a key gets a lane of its own.
+pub(crate) fn lanes<K: Hash + Eq>(keys: impl Iterator<Item = Option<K>>) -> Vec<Vec<usize>> {
+    let keys: Vec<Option<K>> = keys.collect();
+    // A keyless position is its own key: no other position shares its lane.
+    idem_core::group_by(0..keys.len(), |&i| keys[i].as_ref().ok_or(i))
 }
 
 /// Which messages of a chunk settled, and how long the settled prefix is: the committed

@@ -80,7 +80,7 @@ struct Lanes {
 }
 
 /// What a lane is ordered by.
-#[derive(Hash)]
+#[derive(Hash, PartialEq, Eq)]
 enum LaneKey<'a> {
     Id(&'a idem_core::Key),
     Message(&'a bytes::Bytes),

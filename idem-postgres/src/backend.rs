@@ -338,13 +338,17 @@ impl Found {
     }
 }
 
-/// Splits `pending` into the first occurrence of each key, in order, and the rest.
+/// Splits `pending` into the first occurrence of each key, in order, and the rest, in
+/// order.
 pub(crate) fn distinct_round<'k>(
     pending: &[usize],
     key: impl Fn(usize) -> &'k Key,
 ) -> (Vec<usize>, Vec<usize>) {
-    let mut seen = HashSet::new();
-    pending.iter().partition(|&&i| seen.insert(key(i)))
+    let groups = idem_core::group_by(pending.iter().copied(), |&i| key(i));
+    let first = groups.iter().map(|g| g[0]).collect();
+    let mut rest: Vec<usize> = groups.iter().flat_map(|g| g[1..].iter().copied()).collect();
+    rest.sort_unstable();
+    (first, rest)
 }
 
 /// A duration as whole milliseconds for SQL intervals, capped at about a century.

@@ -1,6 +1,5 @@
 //! [`RedisBackend`]: connections, slot grouping, and the operations that are one call each.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -155,16 +154,7 @@ impl RedisBackend {
                 vec![all]
             };
         }
-        let mut index: HashMap<Slot, usize> = HashMap::new();
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        for i in indices {
-            let g = *index.entry(Slot::for_key(&keys[i])).or_insert_with(|| {
-                groups.push(Vec::new());
-                groups.len() - 1
-            });
-            groups[g].push(i);
-        }
-        groups
+        idem_core::group_by(indices, |&i| Slot::for_key(&keys[i]))
     }
 }
 
