@@ -65,12 +65,7 @@ async fn a_backlog_of_large_messages_stays_within_the_byte_bound() {
     let group = unique("g");
     let dlq = format!("{topic}.dlq");
     create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
-    let example = escargot::CargoBuild::new()
-        .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
-        .package("idem-kafka")
-        .example("backlog")
-        .run()
-        .expect("build the backlog example");
+    let example = common::build_example("backlog");
     let began = std::time::Instant::now();
     produce_backlog(&brokers, &topic).await;
     eprintln!(

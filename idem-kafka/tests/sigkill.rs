@@ -177,7 +177,7 @@ async fn scenario(mode: Mode) -> Figures {
     let group = common::unique("sigkill-group");
     let dlq = format!("{topic}.dlq");
     common::create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
-    let example = build_worker();
+    let example = common::build_example("worker");
     let store: std::sync::Arc<dyn Backend> = match mode {
         Mode::Transactional => std::sync::Arc::new(pg.clone()),
         Mode::Lease => {
@@ -358,34 +358,6 @@ async fn scenario(mode: Mode) -> Figures {
     common::drop_schema(&pg).await;
     let _ = std::fs::remove_file(&pool.log);
     figures
-}
-
-/// Builds the `worker` example. The package variables cargo sets for this test are
-/// removed first: build scripts that watch them (ring's does) would otherwise see them
-/// change, and this build and the next `cargo test` would each rebuild ring and all that
-/// depends on it.
-fn build_worker() -> escargot::CargoRun {
-    let mut build = escargot::CargoBuild::new()
-        .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
-        .package("idem-kafka")
-        .example("worker");
-    for (name, _) in std::env::vars_os() {
-        let set_for_tests = name.to_str().is_some_and(|n| {
-            [
-                "CARGO_PKG_",
-                "CARGO_MANIFEST_",
-                "CARGO_CRATE_",
-                "CARGO_PRIMARY_",
-            ]
-            .iter()
-            .any(|p| n.starts_with(p))
-                || n == "CARGO_TARGET_TMPDIR"
-        });
-        if set_for_tests {
-            build = build.env_remove(name);
-        }
-    }
-    build.run().expect("build the worker example")
 }
 
 /// The group's next offsets by partition: PostgreSQL's in transactional mode (where the
