@@ -24,13 +24,10 @@ use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use idem_core::{Backend, Engine, MemoryBackend};
-use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{Consumer, StreamConsumer};
-use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
-use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::{IdemConsumer, OrderBy};
 use idem_redis::{RedisBackend, RedisConfig};
-use support::{Timing, config, create_topic, median, unique};
+use support::{Produce, Timing, config, create_topic, median, unique};
 
 const PARTITIONS: i32 = 4;
 const MESSAGES: usize = 20_000;
@@ -38,35 +35,13 @@ const ENTITIES: usize = 1_000;
 const WORK: Duration = Duration::from_millis(20);
 
 async fn produce(brokers: &str, topic: &str) {
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("linger.ms", "20")
-        .create()
-        .expect("producer");
-    let mut pending = Vec::with_capacity(MESSAGES);
-    for i in 0..MESSAGES {
-        let id = format!("op-{i}");
-        let entity = format!("entity-{}", i % ENTITIES);
-        let headers = OwnedHeaders::new().insert(Header {
-            key: "idempotency-key",
-            value: Some(id.as_bytes()),
-        });
-        let partition = i32::try_from(i % PARTITIONS as usize).expect("partition");
-        let record = FutureRecord::to(topic)
-            .partition(partition)
-            .key(entity.as_bytes())
-            .payload(id.as_bytes())
-            .headers(headers);
-        pending.push(
-            producer
-                .send_result(record)
-                .map_err(|(e, _)| e)
-                .expect("enqueue"),
-        );
-    }
-    for d in pending {
-        d.await.expect("delivery").expect("delivered");
-    }
+    let messages = (0..MESSAGES).map(|i| Produce {
+        partition: i32::try_from(i % PARTITIONS as usize).expect("partition"),
+        id: format!("op-{i}"),
+        key: Some(format!("entity-{}", i % ENTITIES)),
+        payload: format!("op-{i}").into_bytes(),
+    });
+    support::produce(brokers, topic, messages).await;
 }
 
 /// One handler at a time on one consumer, `n` messages. Returns the time from the first

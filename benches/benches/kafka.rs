@@ -38,15 +38,13 @@ use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_
 use futures::FutureExt;
 use idem_core::{Backend, Engine, MemoryBackend};
 use idem_kafka::IdemConsumer;
-use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use idem_kafka::rdkafka::message::{BorrowedMessage, Header, Headers, Message as _, OwnedHeaders};
+use idem_kafka::rdkafka::message::{BorrowedMessage, Headers, Message as _};
 use idem_kafka::rdkafka::mocking::MockCluster;
-use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::ConnectionManager;
-use support::{Timing, config, create_topic, median, unique};
+use support::{Produce, Timing, config, create_topic, median, unique};
 
 const PARTITIONS: i32 = 4;
 /// Per partition: under MockCluster's retention of about 5 MiB per partition.
@@ -69,35 +67,13 @@ fn header_key<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m [u8]> {
 }
 
 async fn produce(brokers: &str, topic: &str) {
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("linger.ms", "20")
-        .set("queue.buffering.max.messages", "1000000")
-        .create()
-        .expect("producer");
-    let payload = vec![b'x'; 80];
-    let mut pending = Vec::with_capacity(MESSAGES);
-    for i in 0..MESSAGES {
-        let key = format!("pay-{i}");
-        let headers = OwnedHeaders::new().insert(Header {
-            key: "idempotency-key",
-            value: Some(key.as_bytes()),
-        });
-        let partition = i32::try_from(i % PARTITIONS as usize).expect("partition");
-        let record = FutureRecord::<[u8], [u8]>::to(topic)
-            .partition(partition)
-            .payload(&payload)
-            .headers(headers);
-        pending.push(
-            producer
-                .send_result(record)
-                .map_err(|(e, _)| e)
-                .expect("enqueue"),
-        );
-    }
-    for d in pending {
-        d.await.expect("delivery").expect("delivered");
-    }
+    let messages = (0..MESSAGES).map(|i| Produce {
+        partition: i32::try_from(i % PARTITIONS as usize).expect("partition"),
+        id: format!("pay-{i}"),
+        key: None,
+        payload: vec![b'x'; 80],
+    });
+    support::produce(brokers, topic, messages).await;
 }
 
 /// A hand-written consumer: manual offset store, async commit every second.
@@ -224,12 +200,8 @@ impl Dedup {
 async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Duration {
     let consumer = stream_consumer(brokers, topic, "dedup");
     let run = unique("run");
-    let mut first = None;
-    let mut last_commit = Instant::now();
-    let mut seen = 0;
-    while seen < n {
-        let batch = poll_batch(&consumer).await;
-        first.get_or_insert_with(Instant::now);
+    let mut frame = HandLoop::new(&consumer, n);
+    while let Some(batch) = frame.next().await {
         let keys: Vec<String> = batch
             .iter()
             .map(|m| {
@@ -248,18 +220,60 @@ async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Durati
             }
         }
         store.store(&done, &results).await;
-        for m in &batch {
-            consumer.store_offset_from_message(m).expect("store");
-        }
-        seen += batch.len();
-        if last_commit.elapsed() >= COMMIT_EVERY {
-            last_commit = Instant::now();
-            let _ = consumer.commit_consumer_state(CommitMode::Async);
+        frame.done(&batch);
+    }
+    frame.finish()
+}
+
+/// The frame every hand-written batch loop shares: `next` polls a batch (until `n`
+/// messages came), `done` stores the batch's offsets and commits asynchronously every
+/// `COMMIT_EVERY`, `finish` commits and returns the time from the first message to the
+/// `n`-th.
+struct HandLoop<'c> {
+    consumer: &'c StreamConsumer,
+    n: usize,
+    seen: usize,
+    first: Option<Instant>,
+    last_commit: Instant,
+}
+
+impl<'c> HandLoop<'c> {
+    fn new(consumer: &'c StreamConsumer, n: usize) -> Self {
+        let last_commit = Instant::now();
+        HandLoop {
+            consumer,
+            n,
+            seen: 0,
+            first: None,
+            last_commit,
         }
     }
-    let took = first.map_or(Duration::ZERO, |t| t.elapsed());
-    let _ = consumer.commit_consumer_state(CommitMode::Sync);
-    took
+
+    async fn next(&mut self) -> Option<Vec<BorrowedMessage<'c>>> {
+        if self.seen >= self.n {
+            return None;
+        }
+        let batch = poll_batch(self.consumer).await;
+        self.first.get_or_insert_with(Instant::now);
+        Some(batch)
+    }
+
+    fn done(&mut self, batch: &[BorrowedMessage<'c>]) {
+        for m in batch {
+            self.consumer.store_offset_from_message(m).expect("store");
+        }
+        self.seen += batch.len();
+        if self.last_commit.elapsed() >= COMMIT_EVERY {
+            self.last_commit = Instant::now();
+            let _ = self.consumer.commit_consumer_state(CommitMode::Async);
+        }
+    }
+
+    fn finish(self) -> Duration {
+        let took = self.first.map_or(Duration::ZERO, |t| t.elapsed());
+        let _ = self.consumer.commit_consumer_state(CommitMode::Sync);
+        took
+    }
 }
 
 /// The hand-written exactly-once loop on PostgreSQL: per poll batch, one transaction of the
@@ -273,12 +287,8 @@ async fn tx_postgres(brokers: &str, topic: &str, n: usize, pool: sqlx::PgPool) -
         "INSERT INTO {SCHEMA}.hand_offsets (grp, topic, part, next) VALUES ($1, $2, $3, $4) \
          ON CONFLICT (grp, topic, part) DO UPDATE SET next = excluded.next"
     );
-    let mut first = None;
-    let mut last_commit = Instant::now();
-    let mut seen = 0;
-    while seen < n {
-        let batch = poll_batch(&consumer).await;
-        first.get_or_insert_with(Instant::now);
+    let mut frame = HandLoop::new(&consumer, n);
+    while let Some(batch) = frame.next().await {
         let mut tx = pool.begin().await.expect("begin");
         let mut next: std::collections::BTreeMap<i32, i64> = Default::default();
         for m in &batch {
@@ -304,18 +314,9 @@ async fn tx_postgres(brokers: &str, topic: &str, n: usize, pool: sqlx::PgPool) -
                 .expect("upsert offset");
         }
         tx.commit().await.expect("commit");
-        for m in &batch {
-            consumer.store_offset_from_message(m).expect("store");
-        }
-        seen += batch.len();
-        if last_commit.elapsed() >= COMMIT_EVERY {
-            last_commit = Instant::now();
-            let _ = consumer.commit_consumer_state(CommitMode::Async);
-        }
+        frame.done(&batch);
     }
-    let took = first.map_or(Duration::ZERO, |t| t.elapsed());
-    let _ = consumer.commit_consumer_state(CommitMode::Sync);
-    took
+    frame.finish()
 }
 
 /// Which idem loop to run.

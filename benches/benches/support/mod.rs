@@ -1,4 +1,4 @@
-//! What the Kafka loop benches share: client settings, unique names, topics, and a probe
+//! What the Kafka loop benches share: client settings, unique names, topics, producing, and a probe
 //! that times an idem loop from its first claim to its `n`-th settled message.
 #![allow(dead_code)]
 
@@ -9,6 +9,8 @@ use std::time::Instant;
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
+use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::{Point, Probe, Verdict};
 use tokio::sync::Notify;
 
@@ -97,4 +99,45 @@ impl Probe for Timing {
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// A message to produce: its partition, `idempotency-key` header, Kafka key and payload.
+pub struct Produce {
+    pub partition: i32,
+    pub id: String,
+    pub key: Option<String>,
+    pub payload: Vec<u8>,
+}
+
+/// Produces `messages` to `topic` and waits until every one is delivered.
+pub async fn produce(brokers: &str, topic: &str, messages: impl IntoIterator<Item = Produce>) {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", "20")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()
+        .expect("producer");
+    let mut pending = Vec::new();
+    for m in messages {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "idempotency-key",
+            value: Some(m.id.as_bytes()),
+        });
+        let mut record = FutureRecord::<[u8], [u8]>::to(topic)
+            .partition(m.partition)
+            .payload(&m.payload)
+            .headers(headers);
+        if let Some(key) = &m.key {
+            record = record.key(key.as_bytes());
+        }
+        pending.push(
+            producer
+                .send_result(record)
+                .map_err(|(e, _)| e)
+                .expect("enqueue"),
+        );
+    }
+    for d in pending {
+        d.await.expect("delivery").expect("delivered");
+    }
 }
