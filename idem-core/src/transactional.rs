@@ -70,9 +70,12 @@ pub trait Transactional: Backend {
     ///    occurrence of a key repeated in the batch gets this: the earlier one holds it),
     ///    `Poisoned`, `Mismatch`.
     /// 2. One transaction opens. `handler(tx, i, lease)` runs for each acquired claim `i`
-    ///    (its index in `claims`), in order, each in a scope of its own (a savepoint): a
-    ///    handler error or panic rolls back only that handler's writes and records its
-    ///    failure (`Failed`, or `Poisoned` when permanent or out of attempts). A claim
+    ///    (its index in `claims`), in order, each in a scope of its own: a handler error or
+    ///    panic rolls back only that handler's writes and records its failure (`Failed`,
+    ///    or `Poisoned` when permanent or out of attempts). A store may get there by
+    ///    running the batch again in a new transaction after a failure, so `handler` may
+    ///    run more than once for an item within one call; only the writes of the run that
+    ///    commits count, so a handler must write only through the transaction. A claim
     ///    whose lease is no longer held when the transaction starts is `Fenced` and its
     ///    handler does not run; one held then cannot be taken over until the transaction
     ///    ends, so the writes of a fenced message never commit.

@@ -856,7 +856,7 @@ impl Worker {
     }
 
     /// Transactional mode: each run of keyed messages in one transaction of the store
-    /// (claims first, then every handler under its own savepoint, then the records and
+    /// (claims first, then the handlers (a savepoint each only after a failure), then the records and
     /// the offset past the run's settled prefix in one commit); a message the batch left
     /// unsettled (failed, fenced, busy, poisoned) is then resolved on its own, in order, and
     /// keyless messages one by one. A store error fails the whole transaction: its

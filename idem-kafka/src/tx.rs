@@ -38,7 +38,7 @@ pub(crate) trait TxStore: Send + Sync {
     ) -> idem_core::Result<Outcome>;
 
     /// A run of keyed messages (`claims[i]` is `msgs[i]`'s) in one transaction: the claims
-    /// commit first, then each handler under its own savepoint, then the records and the
+    /// commit first, then the handlers (a savepoint each only after a failure), then the records and the
     /// offset `pick` chooses, in one commit.
     async fn run_batch(
         &self,

@@ -1,5 +1,6 @@
 //! Batch transactional mode: a poll batch's claims commit in one statement, then its
-//! handlers, completes, failures and offset commit in one transaction.
+//! handlers, completes, failures and offset commit in one transaction: first with no
+//! savepoints, and after a handler failure once more with a savepoint per handler.
 
 use std::time::Duration;
 
@@ -52,58 +53,105 @@ impl PgBackend {
             }
             return Ok(outcomes);
         }
-        // Plain BEGIN: the lock plans with idem's settings; `lock_held` then restores the
-        // server's for the handlers, and `settle_in` sets idem's again (see `PLANNING`).
-        let begin = self.timed("begin", self.pool.begin()).await?;
-        let mut tx = begin;
-        let held = self.lock_held(&mut tx, &leases).await?;
-        let mut settle: Vec<Settlement> = Vec::with_capacity(leases.len());
-        let mut savepoint = None;
-        for ((i, lease), held) in leases.into_iter().zip(held) {
-            if !held {
-                outcomes[i] = Some(Outcome::Fenced);
-                continue;
-            }
-            if let Some(sql) = savepoint.take() {
-                self.timed("savepoint", sqlx::raw_sql(sql).execute(&mut *tx))
-                    .await?;
-            }
-            match self.run(handler(&mut tx, i, lease.clone())).await {
-                Ok(response) => {
-                    outcomes[i] = Some(Outcome::Executed(response.clone()));
-                    settle.push(Settlement::complete(lease, response));
-                    savepoint = Some(NEXT_SAVEPOINT);
-                }
-                Err(failure) => {
-                    self.timed("rollback", sqlx::raw_sql(ROLLBACK).execute(&mut *tx))
-                        .await?;
-                    outcomes[i] = Some(failed(&failure, &lease, &claims[i]));
-                    settle.push(Settlement::fail(lease, failure.message(), failure.kind()));
-                }
-            }
+        // The optimistic pass runs the handlers with no savepoints: one round trip less
+        // per message. The first handler that fails rolls it all back, and the careful
+        // pass runs the batch again, each handler under a savepoint.
+        let mut pass = match self
+            .pass(claims, &leases, &mut handler, Isolation::Optimistic)
+            .await?
+        {
+            Some(pass) => pass,
+            None => self
+                .pass(claims, &leases, &mut handler, Isolation::Savepoints)
+                .await?
+                .ok_or_else(|| Error::corrupt("the careful pass gave up"))?,
+        };
+        for (i, outcome) in pass.outcomes.drain(..) {
+            outcomes[i] = Some(outcome);
         }
         let outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
         let at = offset(&outcomes);
         let settled = self
-            .settle_in(&mut tx, &settle, retention, at.as_ref())
+            .settle_in(&mut pass.tx, &pass.settle, retention, at.as_ref())
             .await?;
-        if settled != settle.len() {
-            self.timed("rollback", tx.rollback()).await?;
+        if settled != pass.settle.len() {
+            self.timed("rollback", pass.tx.rollback()).await?;
             return Err(Error::corrupt(format!(
                 "a locked batch settled {settled} of {} leases",
-                settle.len()
+                pass.settle.len()
             )));
         }
-        self.timed("commit", tx.commit()).await?;
+        self.timed("commit", pass.tx.commit()).await?;
         Ok(outcomes)
     }
 
-    /// Locks the records `leases` still hold, and sets the first savepoint (the same round
-    /// trip would not do: the lock binds parameters). Whether each lease is held, in order.
+    /// Opens the batch's transaction, locks the records `leases` still hold and runs the
+    /// held leases' handlers in order. With `Savepoints`, each handler runs under its own
+    /// savepoint and a failure rolls back to it; with `Optimistic`, there are none, and the
+    /// first failure rolls the whole transaction back and answers `None`.
+    async fn pass<H>(
+        &self,
+        claims: &[Claim],
+        leases: &[(usize, Lease)],
+        handler: &mut H,
+        isolation: Isolation,
+    ) -> Result<Option<Pass>>
+    where
+        H: for<'t> FnMut(&'t mut PgTransaction, usize, Lease) -> TxFuture<'t> + Send,
+    {
+        // Plain BEGIN: the lock plans with idem's settings; `lock_held` then restores the
+        // server's for the handlers, and `settle_in` sets idem's again (see `PLANNING`).
+        let mut tx = self.timed("begin", self.pool.begin()).await?;
+        let held = self.lock_held(&mut tx, leases, isolation).await?;
+        let mut pass = Pass {
+            tx,
+            outcomes: Vec::with_capacity(leases.len()),
+            settle: Vec::with_capacity(leases.len()),
+        };
+        let mut savepoint = None;
+        for ((i, lease), held) in leases.iter().zip(held) {
+            let (i, lease) = (*i, lease.clone());
+            if !held {
+                pass.outcomes.push((i, Outcome::Fenced));
+                continue;
+            }
+            if let Some(sql) = savepoint.take() {
+                self.timed("savepoint", sqlx::raw_sql(sql).execute(&mut *pass.tx))
+                    .await?;
+            }
+            match self.run(handler(&mut pass.tx, i, lease.clone())).await {
+                Ok(response) => {
+                    pass.outcomes.push((i, Outcome::Executed(response.clone())));
+                    pass.settle.push(Settlement::complete(lease, response));
+                    if isolation == Isolation::Savepoints {
+                        savepoint = Some(NEXT_SAVEPOINT);
+                    }
+                }
+                Err(_) if isolation == Isolation::Optimistic => {
+                    self.timed("rollback", pass.tx.rollback()).await?;
+                    return Ok(None);
+                }
+                Err(failure) => {
+                    self.timed("rollback", sqlx::raw_sql(ROLLBACK).execute(&mut *pass.tx))
+                        .await?;
+                    pass.outcomes
+                        .push((i, failed(&failure, &lease, &claims[i])));
+                    pass.settle
+                        .push(Settlement::fail(lease, failure.message(), failure.kind()));
+                }
+            }
+        }
+        Ok(Some(pass))
+    }
+
+    /// Locks the records `leases` still hold, then restores the server's settings and,
+    /// with `Savepoints`, sets the first savepoint (the same round trip would not do: the
+    /// lock binds parameters). Whether each lease is held, in order.
     async fn lock_held(
         &self,
         tx: &mut PgTransaction,
         leases: &[(usize, Lease)],
+        isolation: Isolation,
     ) -> Result<Vec<bool>> {
         let (mut ns, mut ids, mut tokens, mut owners) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -125,10 +173,15 @@ impl PgBackend {
                 .get_mut(n)
                 .ok_or_else(|| Error::corrupt(format!("lock batch returned row {n}")))? = true;
         }
-        let restore: String = self.restore_settings().map(|s| s + "; ").collect();
-        let first = AssertSqlSafe(restore + SAVEPOINT);
-        self.timed("savepoint", sqlx::raw_sql(first).execute(&mut **tx))
-            .await?;
+        let mut first: Vec<String> = self.restore_settings().collect();
+        if isolation == Isolation::Savepoints {
+            first.push(SAVEPOINT.to_owned());
+        }
+        if !first.is_empty() {
+            let first = AssertSqlSafe(first.join("; "));
+            self.timed("savepoint", sqlx::raw_sql(first).execute(&mut **tx))
+                .await?;
+        }
         Ok(held)
     }
 
@@ -174,6 +227,23 @@ impl PgBackend {
             .await?;
         Ok(positions(&rows, "settle batch")?.len())
     }
+}
+
+/// How a pass keeps one handler's failure from undoing the others' writes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Isolation {
+    /// No savepoints: a failure abandons the pass.
+    Optimistic,
+    /// Each handler under its own savepoint.
+    Savepoints,
+}
+
+/// A pass that ran every held handler: its open transaction, the outcome of each lease
+/// (by its index in the claims) and what to settle.
+struct Pass {
+    tx: PgTransaction,
+    outcomes: Vec<(usize, Outcome)>,
+    settle: Vec<Settlement>,
 }
 
 /// The outcome of a handler that failed, once its failure is recorded.

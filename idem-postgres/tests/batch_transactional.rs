@@ -1,6 +1,6 @@
 //! Batch transactional mode on a real PostgreSQL: a poll batch's claims commit first, then
-//! every handler under its own savepoint, the completes, the failures and the offset the
-//! caller chose commit in one transaction.
+//! the handlers (with no savepoints, or after a failure again each under its own), the
+//! completes, the failures and the offset the caller chose commit in one transaction.
 
 mod common;
 
@@ -181,6 +181,95 @@ async fn a_failing_handler_rolls_back_alone_and_the_offset_is_the_closures_choic
         "b once, the rest not again"
     );
     assert_eq!(next_offset(&backend).await, Some(104), "the whole batch");
+}
+
+/// How many transactions wrote the ledger's rows: each savepoint a handler wrote under
+/// is a subtransaction of its own, with its own id in the rows' `xmin`.
+async fn writers(backend: &PgBackend, ledger: &str) -> i64 {
+    let q = format!("SELECT count(DISTINCT xmin::text)::int8 FROM {ledger}");
+    sqlx::query_scalar(AssertSqlSafe(q))
+        .fetch_one(backend.pool())
+        .await
+        .expect("count writers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_run_without_savepoints_until_one_fails_then_the_batch_runs_again_with_them() {
+    let (backend, ledger) = setup().await;
+    let calls = std::sync::Mutex::new(Vec::new());
+    let batch = claims(&["s0", "s1", "s2"], "w", LONG);
+    let out = backend
+        .execute_batch_in_transaction(
+            &batch,
+            HOUR,
+            |tx, i, lease| {
+                calls.lock().expect("calls").push(i);
+                insert(&ledger, tx, lease)
+            },
+            settled_prefix(0),
+        )
+        .await
+        .expect("batch");
+    assert!(
+        out.iter().all(|o| matches!(o, Outcome::Executed(_))),
+        "{out:?}"
+    );
+    assert_eq!(
+        *calls.lock().expect("calls"),
+        vec![0, 1, 2],
+        "each handler once"
+    );
+    assert_eq!(
+        writers(&backend, &ledger).await,
+        1,
+        "no failure: every row written by the one transaction, under no savepoint"
+    );
+
+    let (backend, ledger) = setup().await;
+    let calls = std::sync::Mutex::new(Vec::new());
+    let batch = claims(&["f0", "f1", "f2", "f3"], "w", LONG);
+    let out = backend
+        .execute_batch_in_transaction(
+            &batch,
+            HOUR,
+            |tx, i, lease| {
+                calls.lock().expect("calls").push(i);
+                let ledger = ledger.clone();
+                async move {
+                    insert(&ledger, tx, lease).await?;
+                    if i == 1 {
+                        return Err(HandlerError::retry("declined"));
+                    }
+                    Ok(Bytes::from(format!("ok {i}")))
+                }
+                .boxed()
+            },
+            settled_prefix(0),
+        )
+        .await
+        .expect("batch");
+    assert_eq!(
+        out[1],
+        Outcome::Failed {
+            attempts: 1,
+            error: "declined".into()
+        }
+    );
+    assert_eq!(
+        *calls.lock().expect("calls"),
+        vec![0, 1, 0, 1, 2, 3],
+        "the optimistic pass stops at the failure; the careful pass runs every handler"
+    );
+    assert_eq!(
+        rows(&backend, &ledger).await,
+        vec![("f0".into(), 1), ("f2".into(), 1), ("f3".into(), 1)],
+        "the first pass left nothing; each success committed once"
+    );
+    assert_eq!(
+        writers(&backend, &ledger).await,
+        3,
+        "the careful pass wrote each row under a savepoint of its own"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
