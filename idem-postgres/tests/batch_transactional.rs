@@ -76,6 +76,27 @@ fn insert<'t>(
     .boxed()
 }
 
+/// Inserts a ledger row, then answers `ok <i>`, or fails with `error` (retryable) if `i`
+/// is `bad`: the failed handler's insert must roll back.
+fn insert_but_fail<'t>(
+    ledger: &str,
+    tx: &'t mut PgTransaction,
+    i: usize,
+    lease: Lease,
+    bad: usize,
+    error: &'static str,
+) -> BoxFuture<'t, Result<Bytes, HandlerError>> {
+    let ledger = ledger.to_owned();
+    async move {
+        insert(&ledger, tx, lease).await?;
+        if i == bad {
+            return Err(HandlerError::retry(error));
+        }
+        Ok(Bytes::from(format!("ok {i}")))
+    }
+    .boxed()
+}
+
 /// The offset closure of a Kafka loop: the batch's messages sit at `first`, `first + 1`,
 /// …; store the position of the last message of the longest settled prefix.
 fn settled_prefix(first: i64) -> impl FnOnce(&[Outcome]) -> Option<OffsetPosition> + Send {
@@ -124,17 +145,7 @@ async fn a_failing_handler_rolls_back_alone_and_the_offset_is_the_closures_choic
         .execute_batch_in_transaction(
             &batch,
             HOUR,
-            |tx, i, lease| {
-                let ledger = ledger.clone();
-                async move {
-                    insert(&ledger, tx, lease).await?;
-                    if i == 1 {
-                        return Err(HandlerError::retry("card declined"));
-                    }
-                    Ok(Bytes::from(format!("ok {i}")))
-                }
-                .boxed()
-            },
+            |tx, i, lease| insert_but_fail(&ledger, tx, i, lease, 1, "card declined"),
             settled_prefix(100),
         )
         .await
@@ -234,15 +245,7 @@ async fn handlers_run_without_savepoints_until_one_fails_then_the_batch_runs_aga
             HOUR,
             |tx, i, lease| {
                 calls.lock().expect("calls").push(i);
-                let ledger = ledger.clone();
-                async move {
-                    insert(&ledger, tx, lease).await?;
-                    if i == 1 {
-                        return Err(HandlerError::retry("declined"));
-                    }
-                    Ok(Bytes::from(format!("ok {i}")))
-                }
-                .boxed()
+                insert_but_fail(&ledger, tx, i, lease, 1, "declined")
             },
             settled_prefix(0),
         )
