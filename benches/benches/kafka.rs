@@ -12,6 +12,9 @@
 //!   batch, one transaction with one business-row insert per message (the same statement
 //!   idem's transactional handler runs) and an upsert of each partition's next offset. No
 //!   idempotency records: the ceiling for idem's transactional mode;
+//! - `tx_postgres_records`: `tx_postgres` plus one record per key in the same transaction
+//!   (one `INSERT … ON CONFLICT DO NOTHING` of the batch's keys, one `UPDATE` of their
+//!   results): the cheapest design that records keys, with no leases, attempts or fencing;
 //! - `idem_memory`, `idem_redis`, `idem_postgres` (lease mode),
 //!   `idem_postgres_transactional` (a one-row business insert per message; a chunk of a
 //!   poll batch per transaction) and `idem_postgres_one_per_tx` (the same with
@@ -202,15 +205,7 @@ async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Durati
     let run = unique("run");
     let mut frame = HandLoop::new(&consumer, n);
     while let Some(batch) = frame.next().await {
-        let keys: Vec<String> = batch
-            .iter()
-            .map(|m| {
-                let id = header_key(m)
-                    .map(String::from_utf8_lossy)
-                    .unwrap_or_default();
-                format!("{run}/{id}")
-            })
-            .collect();
+        let keys = run_keys(&run, &batch);
         let new = store.mark(&keys).await;
         let (mut done, mut results) = (Vec::new(), Vec::new());
         for ((m, key), new) in batch.iter().zip(&keys).zip(new) {
@@ -223,6 +218,19 @@ async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Durati
         frame.done(&batch);
     }
     frame.finish()
+}
+
+/// The batch's idempotency keys, prefixed by `run` so that every iteration's are fresh.
+fn run_keys(run: &str, batch: &[BorrowedMessage<'_>]) -> Vec<String> {
+    batch
+        .iter()
+        .map(|m| {
+            let id = header_key(m)
+                .map(String::from_utf8_lossy)
+                .unwrap_or_default();
+            format!("{run}/{id}")
+        })
+        .collect()
 }
 
 /// The frame every hand-written batch loop shares: `next` polls a batch (until `n`
@@ -280,7 +288,36 @@ impl<'c> HandLoop<'c> {
 /// business rows (one insert per message) and the partitions' next offsets, then the
 /// offsets stored in Kafka. Returns the time from the first message to the `n`-th.
 async fn tx_postgres(brokers: &str, topic: &str, n: usize, pool: sqlx::PgPool) -> Duration {
+    tx_loop(brokers, topic, n, pool, false).await
+}
+
+/// `tx_postgres` that also keeps one record per key in the same transaction, the cheapest
+/// design with records: per poll batch, one `INSERT … ON CONFLICT DO NOTHING RETURNING` of
+/// the batch's keys, a business insert for each new key, one `UPDATE … FROM unnest` of
+/// their results, the offsets, one COMMIT. No leases, attempts or fencing: what any
+/// transactional design that records keys must at least do, so the ceiling it leaves
+/// idem's transactional mode is the cost of the records themselves.
+async fn tx_postgres_records(brokers: &str, topic: &str, n: usize, pool: sqlx::PgPool) -> Duration {
+    tx_loop(brokers, topic, n, pool, true).await
+}
+
+async fn tx_loop(
+    brokers: &str,
+    topic: &str,
+    n: usize,
+    pool: sqlx::PgPool,
+    records: bool,
+) -> Duration {
     let group = unique("txpg");
+    let run = unique("run");
+    let mark = format!(
+        "INSERT INTO {SCHEMA}.dedup (k) SELECT unnest($1::text[]) \
+         ON CONFLICT DO NOTHING RETURNING k"
+    );
+    let answer = format!(
+        "UPDATE {SCHEMA}.dedup d SET v = u.v \
+         FROM unnest($1::text[], $2::bytea[]) AS u(k, v) WHERE d.k = u.k"
+    );
     let consumer = stream_consumer(brokers, topic, &group);
     let insert = format!("INSERT INTO {SCHEMA}.ledger (k) VALUES ($1)");
     let upsert = format!(
@@ -291,17 +328,39 @@ async fn tx_postgres(brokers: &str, topic: &str, n: usize, pool: sqlx::PgPool) -
     while let Some(batch) = frame.next().await {
         let mut tx = pool.begin().await.expect("begin");
         let mut next: std::collections::BTreeMap<i32, i64> = Default::default();
-        for m in &batch {
-            let id = header_key(m)
-                .map(String::from_utf8_lossy)
-                .unwrap_or_default();
+        let keys = run_keys(&run, &batch);
+        let new: std::collections::HashSet<String> = if records {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(mark.as_str()))
+                .bind(&keys)
+                .fetch_all(&mut *tx)
+                .await
+                .expect("mark")
+                .into_iter()
+                .collect()
+        } else {
+            keys.iter().cloned().collect()
+        };
+        let (mut done, mut results) = (Vec::new(), Vec::new());
+        for (m, key) in batch.iter().zip(&keys) {
+            next.insert(m.partition(), m.offset() + 1);
+            if !new.contains(key) {
+                continue;
+            }
             sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
-                .bind(id.as_ref())
+                .bind(key)
                 .execute(&mut *tx)
                 .await
                 .expect("insert");
-            std::hint::black_box(handle(header_key(m)));
-            next.insert(m.partition(), m.offset() + 1);
+            results.push(handle(header_key(m)).to_vec());
+            done.push(key.clone());
+        }
+        if records {
+            sqlx::query(sqlx::AssertSqlSafe(answer.as_str()))
+                .bind(&done)
+                .bind(&results)
+                .execute(&mut *tx)
+                .await
+                .expect("answer");
         }
         for (part, next) in next {
             sqlx::query(sqlx::AssertSqlSafe(upsert.as_str()))
@@ -536,6 +595,11 @@ fn on_broker(
             let ((b, t), pool) = (go(), pool.clone());
             async move { tx_postgres(&b, &t, n, pool).await }.boxed()
         });
+        let (go, pool) = (at.clone(), pg.pool().clone());
+        case("tx_postgres_records", n, &move || {
+            let ((b, t), pool) = (go(), pool.clone());
+            async move { tx_postgres_records(&b, &t, n, pool).await }.boxed()
+        });
         let (go, backend) = (at.clone(), pg.clone());
         case("idem_postgres_transactional", n, &move || {
             let ((b, t), pg) = (go(), backend.clone());
@@ -577,6 +641,7 @@ fn summary() {
             ("dedup_postgres", ""),
             ("idem_postgres", "dedup_postgres"),
             ("tx_postgres", ""),
+            ("tx_postgres_records", "tx_postgres"),
             ("idem_postgres_transactional", "tx_postgres"),
             ("idem_postgres_one_per_tx", "tx_postgres"),
         ] {
