@@ -4,10 +4,12 @@
 
 mod backend;
 pub mod clock;
+pub mod driver;
 mod engine;
 mod error;
 mod handler;
 mod key;
+pub mod layer;
 pub mod machine;
 mod memory;
 mod model;

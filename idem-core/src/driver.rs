@@ -1,0 +1,307 @@
+//! Backends that describe themselves. Each backend crate exports one [`Driver`]: the URL
+//! schemes it answers to, how to connect from a URL, what to create in the store, the
+//! store's raw write-if-absent (the floor benches measure idem against), and how a test or
+//! a bench gets a place of its own. The `idem` facade registers the drivers compiled in
+//! (`idem::drivers()`, `idem::open(url)`); the CLI and the benches iterate them, so adding a
+//! backend is its crate, a facade feature and one registration line.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::{Backend, Error, MemoryBackend, Result};
+
+/// How long a raw baseline's keys are kept, where the store expires keys itself.
+pub const RAW_RETENTION: Duration = Duration::from_secs(600);
+
+/// How to open a store.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Options {
+    /// Connections to keep for concurrent calls (a pool's size); 0 keeps the backend's
+    /// default.
+    pub connections: u32,
+    /// A place of the store's own for this tag (a key prefix, a schema, a table), made by
+    /// [`Driver::open`] and removed by [`Store::close`]: what a bench or a test opens, so
+    /// that nothing another run writes is visible to it.
+    pub isolate: Option<String>,
+}
+
+impl Options {
+    /// The backend's defaults, in the place the URL names.
+    pub fn new() -> Self {
+        Options::default()
+    }
+
+    /// Sets [`Options::connections`].
+    pub fn with_connections(mut self, connections: u32) -> Self {
+        self.connections = connections;
+        self
+    }
+
+    /// Sets [`Options::isolate`]: a place of its own, named after `tag` (lower-case
+    /// letters, digits and `_`; others are replaced by `_`).
+    pub fn with_isolation(mut self, tag: &str) -> Self {
+        let tag: String = tag
+            .chars()
+            .map(|c| match c {
+                'a'..='z' | '0'..='9' | '_' => c,
+                'A'..='Z' => c.to_ascii_lowercase(),
+                _ => '_',
+            })
+            .collect();
+        self.isolate = Some(tag);
+        self
+    }
+}
+
+/// A backend, as a tool that knows only its URL sees it.
+#[async_trait]
+pub trait Driver: Send + Sync + 'static {
+    /// The short name: `memory`, `redis`, `postgres`, `dynamodb`.
+    fn name(&self) -> &'static str;
+
+    /// The URL schemes it opens (`redis`, `rediss`), without `://`.
+    fn schemes(&self) -> &'static [&'static str];
+
+    /// The URL's form, for help texts and errors: one line.
+    fn usage(&self) -> &'static str;
+
+    /// Checks `url` without connecting and answers it as it may be shown (passwords hidden,
+    /// defaults spelled out). A URL that does not parse is [`Error::Config`] with the
+    /// reason.
+    fn check(&self, url: &str) -> Result<String>;
+
+    /// Connects to the store `url` names.
+    async fn open(&self, url: &str, options: &Options) -> Result<Box<dyn Store>>;
+
+    /// The URL of the server the tests and benches use, from the environment
+    /// (`IDEM_REDIS_URL`, …), or [`Error::Config`] naming the variable and the command that
+    /// starts the server.
+    fn test_url(&self) -> Result<String>;
+}
+
+/// A store opened by a [`Driver`].
+#[async_trait]
+pub trait Store: Send + Sync + fmt::Debug {
+    /// The store as a backend.
+    fn backend(&self) -> Arc<dyn Backend>;
+
+    /// Creates what the store needs (tables, a schema) if it is missing; says what it did.
+    async fn migrate(&self) -> Result<String>;
+
+    /// The store's own write-if-absent through the same client, creating what it needs:
+    /// the baseline a bench measures idem against.
+    async fn raw(&self) -> Result<Arc<dyn RawWrite>>;
+
+    /// Removes the place [`Options::isolate`] made (and what the raw baseline wrote
+    /// there); nothing for a store opened without isolation.
+    async fn close(self: Box<Self>) -> Result<()>;
+}
+
+/// A store's plain conditional write, with no state machine around it.
+#[async_trait]
+pub trait RawWrite: Send + Sync {
+    /// What it is, for reports: `SET NX PX`, `INSERT … ON CONFLICT DO NOTHING`.
+    fn name(&self) -> &'static str;
+
+    /// Writes each of `keys` with `value` where absent, in one round trip where the store
+    /// can; a key already present is not an error. Kept for [`RAW_RETENTION`] where the
+    /// store expires keys.
+    async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()>;
+}
+
+/// The environment variable `var`, or [`Error::Config`] naming it and the command that
+/// starts the test services.
+pub fn service_url(var: &str) -> Result<String> {
+    match std::env::var(var) {
+        Ok(value) if !value.trim().is_empty() => Ok(value),
+        _ => Err(Error::config(format!(
+            "{var} is not set: start the test services with `eval \"$(scripts/services up)\"` \
+             (scripts/test does this for you)"
+        ))),
+    }
+}
+
+/// `url` (or several, comma-separated) with any password, in the user part or a `pass` or
+/// `password` query parameter, replaced by `***`. A URL that does not parse is shown only
+/// by its scheme, since its password cannot be found. The one redaction every backend's
+/// `Debug`, error and display uses.
+pub fn redact(url: &str) -> String {
+    if url.contains(',') {
+        return url
+            .split(',')
+            .map(|one| redact(one.trim()))
+            .collect::<Vec<_>>()
+            .join(",");
+    }
+    let parsed = url::Url::parse(url).ok();
+    // `user:secret@host` without `//` parses as a scheme and a path: hidden as well.
+    let Some(mut parsed) = parsed.filter(|p| !(p.cannot_be_a_base() && url.contains('@'))) else {
+        return match url.split_once(':') {
+            Some((scheme, _)) if is_scheme(scheme) => format!("{scheme}:<unparsable URL>"),
+            _ => "<unparsable URL>".to_owned(),
+        };
+    };
+    if parsed.password().is_some() {
+        // Fails only for URLs that cannot have a password, which then have none.
+        let _ = parsed.set_password(Some("***"));
+    }
+    let hidden = |k: &str| k == "pass" || k == "password";
+    if parsed.query_pairs().any(|(k, _)| hidden(&k)) {
+        let pairs: Vec<(String, String)> = parsed
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if hidden(&k) {
+                    "***".into()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    parsed.to_string()
+}
+
+/// Removes the query parameter `name` from `url` and returns its last value: how a driver
+/// takes its own parameters (`prefix`, `schema`) and leaves the rest to the client.
+pub fn take_param(url: &mut url::Url, name: &str) -> Option<String> {
+    let mut found = None;
+    let mut rest = Vec::new();
+    for (k, v) in url.query_pairs() {
+        if k == name {
+            found = Some(v.into_owned());
+        } else {
+            rest.push((k.into_owned(), v.into_owned()));
+        }
+    }
+    if found.is_some() {
+        if rest.is_empty() {
+            url.set_query(None);
+        } else {
+            url.query_pairs_mut().clear().extend_pairs(rest);
+        }
+    }
+    found
+}
+
+fn is_scheme(s: &str) -> bool {
+    s.starts_with(|c: char| c.is_ascii_alphabetic())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+}
+
+/// The in-memory backend's driver: `memory:` (this process only).
+pub static MEMORY: MemoryDriver = MemoryDriver;
+
+/// See [`MEMORY`].
+#[derive(Debug)]
+pub struct MemoryDriver;
+
+#[async_trait]
+impl Driver for MemoryDriver {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+    fn schemes(&self) -> &'static [&'static str] {
+        &["memory"]
+    }
+    fn usage(&self) -> &'static str {
+        "memory: (this process only)"
+    }
+    fn check(&self, url: &str) -> Result<String> {
+        match url.trim() {
+            "memory:" | "memory://" | "memory" => Ok("memory:".into()),
+            _ => Err(Error::config("write memory: with nothing after it")),
+        }
+    }
+    async fn open(&self, url: &str, _options: &Options) -> Result<Box<dyn Store>> {
+        self.check(url)?;
+        Ok(Box::new(MemoryStore(MemoryBackend::new())))
+    }
+    fn test_url(&self) -> Result<String> {
+        Ok("memory:".into())
+    }
+}
+
+#[derive(Debug)]
+struct MemoryStore(MemoryBackend);
+
+#[async_trait]
+impl Store for MemoryStore {
+    fn backend(&self) -> Arc<dyn Backend> {
+        Arc::new(self.0.clone())
+    }
+    async fn migrate(&self) -> Result<String> {
+        Ok("memory: nothing to migrate".into())
+    }
+    async fn raw(&self) -> Result<Arc<dyn RawWrite>> {
+        Ok(Arc::new(MapInsert::default()))
+    }
+    async fn close(self: Box<Self>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The memory baseline: a plain map insert under one lock.
+#[derive(Default)]
+struct MapInsert {
+    map: Mutex<std::collections::HashMap<String, Bytes>>,
+}
+
+#[async_trait]
+impl RawWrite for MapInsert {
+    fn name(&self) -> &'static str {
+        "HashMap insert"
+    }
+    async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        for k in keys {
+            map.entry(k.clone()).or_insert_with(|| value.clone());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redact_hides_every_password() {
+        let shown = redact("redis://:s3cret@h:6379/0,redis://u:pw2@h2/?password=pw3&db=1");
+        for secret in ["s3cret", "pw2", "pw3"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert!(shown.contains("db=1"), "{shown}");
+        assert_eq!(redact("postgres://app@db/x"), "postgres://app@db/x");
+        assert_eq!(
+            redact("postgres://u:s3cret@[bad"),
+            "postgres:<unparsable URL>"
+        );
+        assert_eq!(redact("u:s3cret@nowhere"), "u:<unparsable URL>");
+        assert_eq!(redact("not a url"), "<unparsable URL>");
+    }
+
+    #[test]
+    fn take_param_leaves_the_other_parameters() {
+        let mut url = url::Url::parse("postgres://h/db?schema=a&sslmode=off&schema=b").unwrap();
+        assert_eq!(take_param(&mut url, "schema").as_deref(), Some("b"));
+        assert_eq!(url.as_str(), "postgres://h/db?sslmode=off");
+        assert_eq!(take_param(&mut url, "schema"), None);
+        let mut url = url::Url::parse("redis://h/?prefix=p").unwrap();
+        assert_eq!(take_param(&mut url, "prefix").as_deref(), Some("p"));
+        assert_eq!(url.as_str(), "redis://h/");
+    }
+
+    #[test]
+    fn isolation_tags_are_plain() {
+        let o = Options::new().with_isolation("Bench-1 x");
+        assert_eq!(o.isolate.as_deref(), Some("bench_1_x"));
+    }
+}

@@ -1,0 +1,280 @@
+//! The layers on the in-memory backend: each does what its docs say, and nothing else.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use idem_core::layer::{
+    Around, BackendExt, Call, Chaos, Fault, Layered, Observe, RetryLayer, TimeoutLayer,
+};
+use idem_core::{
+    Backend, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, MemoryBackend, Settlement, State,
+};
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn claim(id: &str) -> Claim {
+    Claim {
+        key: Key::new("layers", id).expect("key"),
+        owner: "w1".into(),
+        lease_ttl: Duration::from_secs(30),
+        fingerprint: None,
+        max_attempts: 3,
+        retention: HOUR,
+    }
+}
+
+async fn acquire(backend: &impl Backend, id: &str) -> Lease {
+    match backend.claim(&claim(id)).await.expect("claim") {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("{id}: expected Acquired, got {other:?}"),
+    }
+}
+
+/// Retries fast, so the tests do not wait on backoff.
+fn retry() -> RetryLayer {
+    RetryLayer::new()
+        .with_tries(3)
+        .with_first_backoff(Duration::from_millis(1))
+}
+
+#[tokio::test(start_paused = true)]
+async fn timeout_answers_unavailable_and_a_fast_call_passes() {
+    let chaos = Chaos::new().with_delay(Duration::from_millis(200));
+    let slow = MemoryBackend::new()
+        .layer(chaos)
+        .layer(TimeoutLayer::new(Duration::from_millis(50)));
+    let started = tokio::time::Instant::now();
+    match slow.claim(&claim("slow")).await {
+        Err(Error::Unavailable { message, .. }) => {
+            assert!(
+                message.contains("claim: no answer within 50ms"),
+                "{message}"
+            )
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+    let fast = MemoryBackend::new().layer(TimeoutLayer::new(Duration::from_millis(50)));
+    acquire(&fast, "fast").await;
+}
+
+#[tokio::test]
+async fn switched_faults_refuse_only_their_calls() {
+    let chaos = Chaos::new();
+    let backend = MemoryBackend::new().layer(chaos.clone());
+    let lease = acquire(&backend, "k").await;
+    chaos.set(Fault::Complete, true);
+    let done = backend
+        .complete(&lease, Bytes::from_static(b"r"), HOUR)
+        .await;
+    assert!(matches!(done, Err(Error::Unavailable { .. })), "{done:?}");
+    let batch = [Settlement::complete(
+        lease.clone(),
+        Bytes::from_static(b"r"),
+    )];
+    let done = backend.settle_many(&batch, HOUR).await;
+    assert!(matches!(done, Err(Error::Unavailable { .. })), "{done:?}");
+    // Reads and extends are not switched: they reach the store, which never saw a complete.
+    let record = backend.get(&lease.key).await.expect("get").expect("record");
+    assert_eq!(record.state, State::Processing);
+    backend
+        .extend(&lease, Duration::from_secs(30))
+        .await
+        .expect("extend");
+    chaos.set(Fault::Complete, false);
+    backend
+        .complete(&lease, Bytes::from_static(b"r"), HOUR)
+        .await
+        .expect("complete once the fault is off");
+}
+
+#[tokio::test]
+async fn a_lost_answer_is_unavailable_though_the_write_landed() {
+    let chaos = Chaos::new();
+    let backend = MemoryBackend::new().layer(chaos.clone());
+    let lease = acquire(&backend, "k").await;
+    chaos.lose_next_answers(1);
+    let done = backend
+        .complete(&lease, Bytes::from_static(b"r"), HOUR)
+        .await;
+    assert!(matches!(done, Err(Error::Unavailable { .. })), "{done:?}");
+    let record = backend
+        .inner()
+        .get(&lease.key)
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(record.state, State::Completed);
+}
+
+#[tokio::test]
+async fn retry_recovers_refused_calls_and_gives_up_after_its_tries() {
+    let chaos = Chaos::new();
+    let backend = MemoryBackend::new().layer(chaos.clone()).layer(retry());
+    chaos.refuse_next(2);
+    acquire(&backend, "twice refused").await;
+    chaos.refuse_next(3);
+    let answer = backend.claim(&claim("thrice refused")).await;
+    assert!(
+        matches!(answer, Err(Error::Unavailable { .. })),
+        "{answer:?}"
+    );
+}
+
+/// Counts the calls that reach the backend inside it.
+#[derive(Clone, Default)]
+struct Count(Arc<AtomicU32>);
+
+impl Around for Count {
+    fn around<'a, T: Send + 'a>(
+        &'a self,
+        _call: Call<'a>,
+        next: BoxFuture<'a, idem_core::Result<T>>,
+    ) -> BoxFuture<'a, idem_core::Result<T>> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        next
+    }
+}
+
+#[tokio::test]
+async fn retry_never_retries_a_final_answer() {
+    let count = Count::default();
+    let backend = Layered::new(MemoryBackend::new(), count.clone()).layer(retry());
+    let stale = acquire(&backend, "k").await;
+    backend
+        .complete(&stale, Bytes::from_static(b"r"), HOUR)
+        .await
+        .expect("complete");
+    let before = count.0.load(Ordering::SeqCst);
+    let done = backend
+        .complete(&stale, Bytes::from_static(b"x"), HOUR)
+        .await;
+    assert!(matches!(done, Err(Error::Fenced { .. })), "{done:?}");
+    assert_eq!(
+        count.0.load(Ordering::SeqCst) - before,
+        1,
+        "a fenced complete was retried"
+    );
+}
+
+#[tokio::test]
+async fn retry_answers_ok_where_its_lost_write_landed() {
+    let chaos = Chaos::new();
+    let backend = MemoryBackend::new().layer(chaos.clone()).layer(retry());
+
+    let lease = acquire(&backend, "complete").await;
+    chaos.lose_next_answers(1);
+    let done = backend
+        .complete(&lease, Bytes::from_static(b"r"), HOUR)
+        .await;
+    assert!(
+        done.is_ok(),
+        "a retried complete meeting its own write: {done:?}"
+    );
+
+    let lease = acquire(&backend, "fail").await;
+    chaos.lose_next_answers(1);
+    let done = backend.fail(&lease, "boom", FailureKind::Retry, HOUR).await;
+    assert!(
+        done.is_ok(),
+        "a retried fail meeting its own write: {done:?}"
+    );
+
+    let lease = acquire(&backend, "release").await;
+    chaos.lose_next_answers(1);
+    backend
+        .release(&lease)
+        .await
+        .expect("a retried release meeting its own write");
+    acquire(&backend, "release").await; // handed back: taken over at once
+
+    let a = acquire(&backend, "batch-a").await;
+    let b = acquire(&backend, "batch-b").await;
+    let items = [
+        Settlement::complete(a, Bytes::from_static(b"ra")),
+        Settlement::complete(b.clone(), Bytes::from_static(b"rb")),
+    ];
+    chaos.lose_next_answers(1);
+    let answers = backend
+        .settle_many(&items, HOUR)
+        .await
+        .expect("settle_many");
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+
+    // A write that did not land stays fenced after a retry: another worker's lease.
+    backend
+        .inner()
+        .complete(&b, Bytes::from_static(b"rb"), HOUR)
+        .await
+        .expect_err("already completed");
+    let mut foreign = acquire(&backend, "foreign").await;
+    foreign.token += 1;
+    chaos.lose_next_answers(1);
+    let done = backend
+        .complete(&foreign, Bytes::from_static(b"r"), HOUR)
+        .await;
+    assert!(matches!(done, Err(Error::Fenced { .. })), "{done:?}");
+}
+
+#[tokio::test]
+async fn a_retried_claim_after_a_lost_grant_answers_in_progress() {
+    // What RetryLayer documents for claims: the retry answers InProgress, never a lease.
+    let chaos = Chaos::new();
+    let backend = MemoryBackend::new().layer(chaos.clone()).layer(retry());
+    chaos.lose_next_answers(1);
+    match backend.claim(&claim("k")).await.expect("claim") {
+        ClaimOutcome::InProgress { owner, .. } => assert_eq!(owner, "w1"),
+        other => panic!("expected InProgress by its own owner, got {other:?}"),
+    }
+}
+
+#[test]
+fn observe_counts_calls_by_operation_and_outcome() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let backend = MemoryBackend::new().layer(Observe::new());
+            let lease = acquire(&backend, "k").await;
+            backend
+                .complete(&lease, Bytes::from_static(b"r"), HOUR)
+                .await
+                .expect("complete");
+            let again = backend
+                .complete(&lease, Bytes::from_static(b"r"), HOUR)
+                .await;
+            assert!(matches!(again, Err(Error::Fenced { .. })));
+        });
+    });
+    let mut seen = Vec::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let key = key.key();
+        if key.name() != "idem_store_calls_total" {
+            continue;
+        }
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        if let DebugValue::Counter(n) = value {
+            seen.push((labels.join(","), n));
+        }
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("op=claim,outcome=ok".to_owned(), 1),
+            ("op=complete,outcome=fenced".to_owned(), 1),
+            ("op=complete,outcome=ok".to_owned(), 1),
+        ]
+    );
+}
