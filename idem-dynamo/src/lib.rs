@@ -6,6 +6,7 @@
 mod backend;
 mod batch;
 mod config;
+mod driver;
 mod error;
 mod expr;
 mod item;
@@ -14,3 +15,4 @@ mod table;
 
 pub use backend::DynamoBackend;
 pub use config::{DynamoConfig, ITEM_LIMIT_BYTES, StaticCredentials};
+pub use driver::{DRIVER, DynamoDriver};

@@ -4,6 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use idem_core::Error;
+use idem_core::driver::redact;
 
 /// Connection and naming settings for [`PgBackend`](crate::PgBackend).
 ///
@@ -91,19 +92,6 @@ impl PgConfig {
     /// The URL with any password replaced by `***`.
     pub fn redacted_url(&self) -> String {
         redact(&self.url)
-    }
-}
-
-/// `url` with its password replaced by `***`; an unparsable URL is hidden whole.
-pub(crate) fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) => {
-            if u.password().is_some() {
-                let _ = u.set_password(Some("***"));
-            }
-            u.to_string()
-        }
-        Err(_) => "<unparsable url>".into(),
     }
 }
 

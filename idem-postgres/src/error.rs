@@ -51,17 +51,12 @@ pub(crate) fn map(what: &str, e: sqlx::Error) -> Error {
     }
 }
 
-/// Runs `fut` within `limit`: its error mapped by [`map`], a timeout `Unavailable`.
+/// Runs `fut` within `limit` (idem-core's one timeout): its error mapped by [`map`], a
+/// timeout `Unavailable`.
 pub(crate) async fn within<T>(
     what: &str,
     limit: std::time::Duration,
     fut: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> idem_core::Result<T> {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(res) => res.map_err(|e| map(what, e)),
-        Err(_) => Err(Error::Unavailable {
-            message: format!("{what}: no answer from PostgreSQL within {limit:?}"),
-            source: None,
-        }),
-    }
+    idem_core::layer::within(what, limit, async { fut.await.map_err(|e| map(what, e)) }).await
 }

@@ -5,6 +5,7 @@
 mod backend;
 mod batch;
 mod config;
+mod driver;
 mod error;
 mod notify;
 mod settle;
@@ -13,5 +14,6 @@ mod transactional;
 
 pub use backend::{PLANNING, PgBackend};
 pub use config::PgConfig;
+pub use driver::{DRIVER, PgDriver};
 pub use idem_core::{OffsetPosition, StoredOffset};
 pub use transactional::PgTransaction;

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use idem_core::driver::redact;
 use idem_core::{Capabilities, Error, Result};
 
 /// How a [`RedisBackend`](crate::RedisBackend) connects, names its keys and bounds its calls.
@@ -159,34 +160,6 @@ impl fmt::Debug for RedisConfig {
         f.field("tls_root_cert", &self.tls_root_cert.as_ref().map(|_| "set"));
         f.finish()
     }
-}
-
-/// `url` with any password (in the user part or a `pass`/`password` query parameter)
-/// replaced by `***`; a URL that does not parse is not shown at all.
-pub(crate) fn redact(url: &str) -> String {
-    let Ok(mut parsed) = url::Url::parse(url) else {
-        return "<unparsable URL>".to_owned();
-    };
-    if parsed.password().is_some() {
-        // Fails only for URLs that cannot have a password, which then has none.
-        let _ = parsed.set_password(Some("***"));
-    }
-    let hidden = |k: &str| k == "pass" || k == "password";
-    if parsed.query_pairs().any(|(k, _)| hidden(&k)) {
-        let pairs: Vec<(String, String)> = parsed
-            .query_pairs()
-            .map(|(k, v)| {
-                let v = if hidden(&k) {
-                    "***".into()
-                } else {
-                    v.into_owned()
-                };
-                (k.into_owned(), v)
-            })
-            .collect();
-        parsed.query_pairs_mut().clear().extend_pairs(pairs);
-    }
-    parsed.to_string()
 }
 
 #[cfg(test)]

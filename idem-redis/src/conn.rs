@@ -12,7 +12,7 @@ use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::RedisConfig;
-use crate::error::{from_redis, timed_out};
+use crate::error::from_redis;
 
 /// A cluster node, as `(host, port)`.
 pub(crate) type Node = (String, u16);
@@ -191,7 +191,7 @@ fn config_error(config: &RedisConfig, err: redis::RedisError) -> Error {
     let shown: Vec<String> = config
         .nodes()
         .iter()
-        .map(|n| crate::config::redact(n))
+        .map(|n| idem_core::driver::redact(n))
         .collect();
     Error::Config {
         message: format!(
@@ -203,14 +203,15 @@ fn config_error(config: &RedisConfig, err: redis::RedisError) -> Error {
     }
 }
 
-/// Runs `fut` within `limit`, mapping its error; what ran out of time is `Unavailable`.
+/// Runs `fut` within `limit` (idem-core's one timeout), mapping its error; what ran out
+/// of time is `Unavailable`.
 pub(crate) async fn within<T>(
     what: &str,
     limit: Duration,
     fut: impl Future<Output = RedisResult<T>>,
 ) -> Result<T> {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(res) => res.map_err(|e| from_redis(what, e)),
-        Err(elapsed) => Err(timed_out(what, limit, elapsed)),
-    }
+    idem_core::layer::within(what, limit, async {
+        fut.await.map_err(|e| from_redis(what, e))
+    })
+    .await
 }

@@ -1,7 +1,5 @@
 //! Driver errors mapped to idem's [`Error`] variants, the driver error kept as the source.
 
-use std::time::Duration;
-
 use idem_core::Error;
 use redis::{ErrorKind, RedisError};
 
@@ -26,14 +24,6 @@ pub(crate) fn from_redis(what: &str, err: RedisError) -> Error {
     } else {
         Error::unavailable(format!("{what}: {}", err.category()), err)
     }
-}
-
-/// The error for a call that got no answer within `limit`.
-pub(crate) fn timed_out(what: &str, limit: Duration, err: tokio::time::error::Elapsed) -> Error {
-    Error::unavailable(
-        format!("{what}: no answer from Redis within {limit:?}"),
-        err,
-    )
 }
 
 /// A reply whose shape is not what the script returns.

@@ -7,6 +7,7 @@ mod backend;
 mod claim;
 mod config;
 mod conn;
+mod driver;
 mod error;
 mod keys;
 mod list;
@@ -18,3 +19,4 @@ mod v1;
 
 pub use backend::RedisBackend;
 pub use config::RedisConfig;
+pub use driver::{DRIVER, RedisDriver};
