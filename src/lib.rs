@@ -20,3 +20,7 @@ pub use idem_dynamo as dynamo;
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use idem_kafka as kafka;
+
+mod registry;
+
+pub use registry::{LookupError, Registered, driver_for, drivers, open};

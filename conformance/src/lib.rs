@@ -6,7 +6,6 @@ mod batch;
 pub mod cases;
 mod counting;
 mod failures;
-mod faulty;
 mod property;
 mod waiting;
 
@@ -17,8 +16,7 @@ use std::time::Duration;
 use idem_core::clock::ManualClock;
 use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Lease, Result};
 
-pub use counting::Counting;
-pub use faulty::{Fault, Faulty};
+pub use counting::{CallLog, Counting};
 pub use property::model_agreement;
 
 /// How time moves for a backend under test.

@@ -10,7 +10,9 @@ use bytes::Bytes;
 use idem_core::clock::Clock;
 use idem_core::{Backend, Engine, Outcome, Timestamp, WaitPolicy};
 
-use crate::{Counting, Factory, Fault, Faulty, Fixture, Time};
+use idem_core::layer::{BackendExt, Chaos, Fault};
+
+use crate::{CallLog, Factory, Fixture, Time};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
@@ -49,9 +51,10 @@ async fn wait_on<F: Factory>(
     let key = fx.key("watched");
     let holder = fx.acquire(&fx.claim(&key, "holder")).await;
     let backend = Arc::new(fx.backend);
-    let faulty = Faulty::new(Arc::clone(&backend));
-    faulty.set(Fault::Notify, deaf);
-    let tap = Arc::new(Counting::new(faulty));
+    let chaos = Chaos::new();
+    chaos.set(Fault::Notify, deaf);
+    let log = CallLog::new();
+    let tap = Arc::new(Arc::clone(&backend).layer(chaos).layer(log.clone()));
     let engine = Engine::builder(tap.clone())
         .owner("waiter")
         .lease_ttl(fx.lease)
@@ -66,7 +69,7 @@ async fn wait_on<F: Factory>(
             .await;
         (outcome, Instant::now())
     });
-    tap.claims_answered(1).await;
+    log.claims_answered(1).await;
     if complete {
         let response = Bytes::from_static(b"the holder's response");
         backend

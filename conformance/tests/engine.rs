@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use conformance::{Fault, Faulty};
 use idem_core::clock::Clock;
+use idem_core::layer::{BackendExt, Chaos, Fault};
 use idem_core::{
     Backend, ClaimOutcome, Engine, Error, HandlerError, Key, MemoryBackend, Outcome, State,
     Timestamp, WaitPolicy,
@@ -79,11 +79,12 @@ async fn heartbeat_keeps_a_long_handler_lease_alive() {
 
 #[tokio::test(start_paused = true)]
 async fn a_lost_lease_cancels_the_handler_and_yields_fenced() {
-    let faulty = Faulty::new(memory());
+    let chaos = Chaos::new();
+    let faulty = memory().layer(chaos.clone());
     let backend: Arc<dyn Backend> = Arc::new(faulty.clone());
     let a = engine(Arc::clone(&backend), "a");
     let k = key("lost");
-    faulty.set(Fault::Extend, true); // heartbeats fail: the lease lapses under a live worker
+    chaos.set(Fault::Extend, true); // heartbeats fail: the lease lapses under a live worker
     let told = Arc::new(AtomicU32::new(0));
     let run = tokio::spawn({
         let (k, told) = (k.clone(), Arc::clone(&told));
@@ -109,7 +110,7 @@ async fn a_lost_lease_cancels_the_handler_and_yields_fenced() {
         panic!("b should take over, got {taken:?}");
     };
     assert_eq!(b_lease.token, 2);
-    faulty.set(Fault::Extend, false); // the next heartbeat reaches the store and is fenced
+    chaos.set(Fault::Extend, false); // the next heartbeat reaches the store and is fenced
     let outcome = run.await.expect("task").expect("execute");
     assert_eq!(outcome, Outcome::Fenced);
     assert_eq!(told.load(Ordering::SeqCst), 1, "the handler was told");
@@ -220,11 +221,12 @@ async fn an_oversized_response_poisons_with_the_reason() {
 
 #[tokio::test(start_paused = true)]
 async fn a_failed_completion_surfaces_and_the_key_is_not_done() {
-    let faulty = Faulty::new(memory());
+    let chaos = Chaos::new();
+    let faulty = memory().layer(chaos.clone());
     let backend: Arc<dyn Backend> = Arc::new(faulty.clone());
     let a = engine(Arc::clone(&backend), "a");
     let k = key("swallowed");
-    faulty.set(Fault::Complete, true);
+    chaos.set(Fault::Complete, true);
     let res = a.execute(&k, b"p", |_| async { ok("charged") }).await;
     assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
     let rec = faulty.inner().get(&k).await.expect("get").expect("record");

@@ -1,10 +1,13 @@
-//! The whole conformance suite on the in-memory backend, twice: as itself and as
-//! `Arc<dyn Backend>`.
+//! The whole conformance suite on the in-memory backend, three times: as itself, as
+//! `Arc<dyn Backend>`, and wrapped in every layer (chaos with its faults off, timeout,
+//! retry, observe), which must change no answer.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use conformance::{Factory, Fixture};
 use idem_core::clock::ManualClock;
+use idem_core::layer::{BackendExt, Chaos, Observe, RetryLayer, TimeoutLayer};
 use idem_core::{Backend, MemoryBackend, Timestamp};
 
 fn fresh() -> (MemoryBackend, ManualClock) {
@@ -40,6 +43,40 @@ impl Factory for Dyn {
         let (backend, clock) = fresh();
         Fixture::manual(Arc::new(backend), clock)
     }
+}
+
+/// The backend in every layer, as a user stacks them: each try bounded, `Unavailable`
+/// retried, every call observed.
+struct Layers;
+
+fn layered(backend: MemoryBackend) -> Arc<dyn Backend> {
+    Arc::new(
+        backend
+            .layer(Chaos::new())
+            .layer(TimeoutLayer::new(Duration::from_secs(5)))
+            .layer(RetryLayer::new())
+            .layer(Observe::new()),
+    )
+}
+
+impl Factory for Layers {
+    type Backend = Arc<dyn Backend>;
+    async fn setup(&self) -> Fixture<Arc<dyn Backend>> {
+        let (backend, clock) = fresh();
+        Fixture::manual(layered(backend), clock)
+    }
+
+    async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<Arc<dyn Backend>>> {
+        let (backend, clock) = fresh();
+        Some(Fixture::manual(
+            layered(backend.with_max_response_bytes(limit)),
+            clock,
+        ))
+    }
+}
+
+mod layers {
+    conformance::suite!(super::Layers);
 }
 
 mod direct {

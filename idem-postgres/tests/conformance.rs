@@ -1,13 +1,17 @@
 //! The whole conformance suite on a real PostgreSQL (`IDEM_POSTGRES_URL`), and the failure
-//! cases of `conformance::remote_suite!`.
+//! cases of `conformance::remote_suite!`; then the suite again with the backend in every
+//! layer (timeout, retry, observe), which must change no answer.
 
 mod common;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use conformance::{Factory, Fixture, Remote};
-use idem_core::{Key, Result};
+use idem_core::layer::{BackendExt, Observe, RetryLayer, TimeoutLayer};
+use idem_core::{Backend, Key, Result};
 use idem_postgres::{PgBackend, PgConfig};
 use sqlx::AssertSqlSafe;
 
@@ -76,3 +80,32 @@ impl Remote for Postgres {
 
 conformance::suite!(Postgres);
 conformance::remote_suite!(Postgres);
+
+/// The backend as a user stacks the layers over a real server.
+struct Layers;
+
+fn layered(backend: PgBackend) -> Arc<dyn Backend> {
+    Arc::new(
+        backend
+            .layer(TimeoutLayer::new(Duration::from_secs(5)))
+            .layer(RetryLayer::new())
+            .layer(Observe::new()),
+    )
+}
+
+impl Factory for Layers {
+    type Backend = Arc<dyn Backend>;
+    async fn setup(&self) -> Fixture<Arc<dyn Backend>> {
+        Fixture::real(layered(common::backend().await), LEASE)
+    }
+
+    async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<Arc<dyn Backend>>> {
+        let backend =
+            common::backend_with(|c| c.with_max_connections(20).with_max_response_bytes(limit));
+        Some(Fixture::real(layered(backend.await), LEASE))
+    }
+}
+
+mod layers {
+    conformance::suite!(super::Layers);
+}
