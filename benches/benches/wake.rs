@@ -7,7 +7,7 @@
 //! interval) the holder completes; the sample is the time from `complete`'s return to the
 //! waiter's return (0 when the waiter returned first: PostgreSQL notifies at the commit,
 //! before the answer reaches the holder). "poll" is the same engine with every
-//! notification dropped (`conformance::Fault::Notify`): it reads again every 10 ms.
+//! notification dropped (`idem_core::layer::Fault::Notify`): it reads again every 10 ms.
 //!
 //! Target: notify p50 ≤ 2 ms and below half the poll interval.
 //!
@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use conformance::{Counting, Fault, Faulty};
+use conformance::CallLog;
+use idem_core::layer::{BackendExt, Chaos, Fault};
 use idem_core::{Backend, ClaimOutcome, Engine, Key, Outcome, WaitPolicy};
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
@@ -28,8 +29,9 @@ const POLL: Duration = Duration::from_millis(10);
 /// Milliseconds from `complete`'s return to the waiter's return, one per sample, and the
 /// median time `complete` itself took.
 async fn samples(backend: Arc<dyn Backend>, notify: bool, run: &str) -> (Vec<f64>, f64) {
-    let faulty = Faulty::new(Arc::clone(&backend));
-    faulty.set(Fault::Notify, !notify);
+    let chaos = Chaos::new();
+    chaos.set(Fault::Notify, !notify);
+    let faulty = Arc::clone(&backend).layer(chaos);
     let mut out = Vec::with_capacity(SAMPLES);
     let mut completes = Vec::with_capacity(SAMPLES);
     let holder = Engine::builder(Arc::clone(&backend))
@@ -45,7 +47,8 @@ async fn samples(backend: Arc<dyn Backend>, notify: bool, run: &str) -> (Vec<f64
         else {
             panic!("the holder's claim of a fresh key was not granted");
         };
-        let tap = Arc::new(Counting::new(faulty.clone()));
+        let log = CallLog::new();
+        let tap = Arc::new(faulty.clone().layer(log.clone()));
         let waiter = Engine::builder(tap.clone())
             .owner("waiter")
             .wait(WaitPolicy::Wait {
@@ -60,7 +63,7 @@ async fn samples(backend: Arc<dyn Backend>, notify: bool, run: &str) -> (Vec<f64
                 .await;
             (outcome, Instant::now())
         });
-        tap.claims_answered(1).await;
+        log.claims_answered(1).await;
         tokio::time::sleep(Duration::from_micros(fastrand::u64(0..10_000))).await;
         let started = Instant::now();
         backend

@@ -15,7 +15,6 @@ use crate::cli::{
 use crate::confirm::confirm;
 use crate::error::{Error, Result};
 use crate::ops::{open, print_json};
-use crate::target::Store;
 
 /// Runs an `idem dlq` subcommand.
 pub async fn run(args: DlqArgs) -> Result<()> {
@@ -204,7 +203,7 @@ fn check_replay(args: &DlqReplayArgs) -> Result<()> {
 async fn replay(args: &DlqReplayArgs) -> Result<()> {
     check_replay(args)?;
     let (target, store) = open(&args.backend.backend).await?;
-    if matches!(store, Store::Memory(_)) {
+    if target.kind() == "memory" {
         return Err(Error::Refused(
             "replay needs the consumer's store (it remembers each replay there, and --reset \
              deletes records there); memory: lives only in this process"

@@ -4,22 +4,22 @@
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The backend URL does not parse or names no known backend.
-    #[error(
-        "{url:?} is not a backend URL: {reason} (expected memory:, redis://…, postgres://…, or dynamodb://<table>?endpoint=…&region=…)"
-    )]
+    #[error("{url:?} is not a backend URL: {reason} (expected {expected})")]
     BadUrl {
         /// The URL, password hidden.
         url: String,
         /// What is wrong with it.
         reason: String,
+        /// The URL forms of the backends compiled in.
+        expected: String,
     },
     /// The URL names a backend, or the command needs a part, this build does not include.
     #[error(
         "{what} needs the cargo feature `{feature}`, which this build of idem lacks: rebuild with `cargo install idem-cli --features {feature}` (in the workspace: `cargo build -p idem-cli --features {feature}`)"
     )]
     FeatureMissing {
-        /// What needs it (`redis:// URLs`, `idem demo`).
-        what: &'static str,
+        /// What needs it (`redis URLs`, `idem demo`).
+        what: String,
         /// The idem-cli feature that adds it.
         feature: &'static str,
     },

@@ -48,7 +48,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Demo(a) => demo::run(&a).await,
         #[cfg(not(feature = "kafka"))]
         Command::Demo(_) => Err(error::Error::FeatureMissing {
-            what: "idem demo",
+            what: "idem demo".into(),
             feature: "kafka",
         }),
         Command::Bench(a) => bench::run(&a).await,
@@ -62,7 +62,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Dlq(a) => dlq::run(a).await,
         #[cfg(not(feature = "kafka"))]
         Command::Dlq(_) => Err(error::Error::FeatureMissing {
-            what: "idem dlq",
+            what: "idem dlq".into(),
             feature: "kafka",
         }),
     }

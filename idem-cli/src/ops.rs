@@ -11,11 +11,12 @@ use crate::cli::{
 use crate::confirm::confirm;
 use crate::error::{Error, Result, StoreContext};
 use crate::show::{RecordView, record_text, records_table};
-use crate::target::{ConnectOptions, Store, Target};
+use crate::target::Target;
+use idem::driver::{Options, Store};
 
-pub(crate) async fn open(url: &str) -> Result<(Target, Store)> {
+pub(crate) async fn open(url: &str) -> Result<(Target, Box<dyn Store>)> {
     let target = Target::parse(url)?;
-    let store = target.connect(&ConnectOptions::default()).await?;
+    let store = target.connect(&Options::new()).await?;
     Ok((target, store))
 }
 
@@ -23,7 +24,7 @@ fn key_of(args: &KeyArgs) -> Result<Key> {
     Key::new(args.namespace.clone(), args.id.clone()).map_err(|e| Error::Refused(e.to_string()))
 }
 
-async fn read(store: &Store, key: &Key) -> Result<Option<Record>> {
+async fn read(store: &dyn Store, key: &Key) -> Result<Option<Record>> {
     store.backend().get(key).await.store(format!("read {key}"))
 }
 
@@ -38,7 +39,7 @@ pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<()> {
 pub async fn inspect(args: &InspectArgs) -> Result<()> {
     let key = key_of(&args.key)?;
     let (_, store) = open(&args.key.backend.backend).await?;
-    let record = read(&store, &key).await?;
+    let record = read(store.as_ref(), &key).await?;
     let now = Timestamp::now();
     match (record, args.json) {
         (Some(r), false) => println!("{}", record_text(&r, now)),
@@ -102,7 +103,7 @@ pub async fn release(args: &ReleaseArgs) -> Result<()> {
     let key_args = &args.target.key;
     let key = key_of(key_args)?;
     let (_, store) = open(&key_args.backend.backend).await?;
-    let Some(record) = read(&store, &key).await? else {
+    let Some(record) = read(store.as_ref(), &key).await? else {
         return Err(Error::Refused(format!(
             "no record for {key}: nothing to release"
         )));
@@ -160,7 +161,7 @@ pub async fn release(args: &ReleaseArgs) -> Result<()> {
 pub async fn delete(args: &ChangeKeyArgs) -> Result<()> {
     let key = key_of(&args.key)?;
     let (_, store) = open(&args.key.backend.backend).await?;
-    let Some(record) = read(&store, &key).await? else {
+    let Some(record) = read(store.as_ref(), &key).await? else {
         println!("no record for {key}: nothing to delete");
         return Ok(());
     };
@@ -204,6 +205,6 @@ pub async fn purge(args: &ChangeArgs) -> Result<()> {
 pub async fn migrate(args: &ChangeArgs) -> Result<()> {
     let (target, store) = open(&args.backend.backend).await?;
     confirm(&format!("migrate {target}"), args.yes.yes)?;
-    println!("{}", store.migrate().await?);
+    println!("{}", store.migrate().await.store("migrate")?);
     Ok(())
 }

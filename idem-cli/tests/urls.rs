@@ -11,7 +11,7 @@ use common::fails;
 fn a_bad_url_gets_one_line_naming_the_forms() {
     for (url, why) in [
         ("localhost:6379", "unknown scheme \"localhost\""),
-        ("nonsense", "relative URL without a base"),
+        ("nonsense", "no scheme"),
         ("mysql://u:s3cret@db/x", "unknown scheme \"mysql\""),
         ("postgres://", "no host"),
         ("memory:extra", "write memory: with nothing after it"),

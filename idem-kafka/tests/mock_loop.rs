@@ -264,7 +264,7 @@ async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
-    use conformance::{Fault, Faulty};
+    use idem_core::layer::{BackendExt, Chaos, Fault};
     let topic = unique("outage");
     let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
     let brokers = cluster.bootstrap_servers();
@@ -272,8 +272,9 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
         .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
         .collect();
     produce(&brokers, &topic, &first).await;
-    let faulty = Faulty::new(MemoryBackend::new());
-    faulty.set(Fault::Claim, true);
+    let chaos = Chaos::new();
+    let faulty = MemoryBackend::new().layer(chaos.clone());
+    chaos.set(Fault::Claim, true);
     let backend = Arc::new(faulty.clone());
     let effects = Effects::new();
     let recorder = Recorder::new();
@@ -300,13 +301,13 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     assert_eq!(recorder.settled_count(), 0);
     assert_eq!(effects.total(), 0);
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![-1]);
-    faulty.set(Fault::Claim, false);
+    chaos.set(Fault::Claim, false);
     recorder.wait_settled(10, WAIT).await;
     assert_eq!((effects.distinct(), effects.total()), (10, 10));
 
     // Now `complete` fails after the handlers ran: their responses are stored once the
     // store is back, and no handler runs twice.
-    faulty.set(Fault::Complete, true);
+    chaos.set(Fault::Complete, true);
     let second: Vec<Out> = (10..15)
         .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
         .collect();
@@ -327,7 +328,7 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
         (11..=15).contains(&ran),
         "the chunk's handlers ran, once each: {ran}"
     );
-    faulty.set(Fault::Complete, false);
+    chaos.set(Fault::Complete, false);
     recorder.wait_settled(15, WAIT).await;
     running.stop().await;
     assert_eq!((effects.distinct(), effects.total()), (15, 15));

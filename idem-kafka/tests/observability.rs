@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Out, Recorder, builder, counter, engine, mock, produce, start, unique};
-use conformance::{Fault, Faulty};
+use idem_core::layer::{BackendExt, Chaos, Fault};
 use idem_core::{Backend, HandlerError, Key, MemoryBackend};
 use idem_kafka::metrics as names;
 use tracing::field::{Field, Visit};
@@ -83,7 +83,8 @@ async fn spans_and_counters_follow_each_message() {
     let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
     let brokers = cluster.bootstrap_servers();
     let group = unique("g");
-    let faulty = Faulty::new(MemoryBackend::new());
+    let chaos = Chaos::new();
+    let faulty = MemoryBackend::new().layer(chaos.clone());
     let backend = Arc::new(faulty.clone());
     // "held" is held by another worker until the test lets it go.
     let other = engine(backend.clone(), "other", Duration::from_secs(60));
@@ -143,7 +144,7 @@ async fn spans_and_counters_follow_each_message() {
         assert!(std::time::Instant::now() < deadline, "no in-progress waits");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    faulty.set(Fault::Claim, true);
+    chaos.set(Fault::Claim, true);
     while counter(names::STORE_ERRORS, &topic) < 2 {
         assert!(std::time::Instant::now() < deadline, "no store errors");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -157,7 +158,7 @@ async fn spans_and_counters_follow_each_message() {
         )
         .await
         .unwrap();
-    faulty.set(Fault::Claim, false);
+    chaos.set(Fault::Claim, false);
     recorder.wait_settled(6, Duration::from_secs(30)).await;
     running.stop().await;
 

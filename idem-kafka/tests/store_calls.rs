@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Effects, Out, Recorder, builder, engine, mock, produce, start, unique};
-use conformance::Counting;
+use conformance::{CallLog, Counting};
 use idem_core::MemoryBackend;
+use idem_core::layer::BackendExt;
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -20,7 +21,7 @@ async fn consume(
     store: &Counting<MemoryBackend>,
     n: usize,
 ) -> Vec<(&'static str, usize)> {
-    let before = store.calls().len();
+    let before = store.hook().calls().len();
     let effects = Effects::new();
     let recorder = Recorder::new();
     let running = start(
@@ -36,7 +37,7 @@ async fn consume(
     );
     recorder.wait_settled(n, WAIT).await;
     running.stop().await;
-    store.calls().split_off(before)
+    store.hook().calls().split_off(before)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -50,7 +51,7 @@ async fn a_batch_of_fresh_keys_costs_one_claim_and_one_settle_and_a_batch_of_dup
         .map(|i| Out::keyed(0, &format!("k{i}"), &format!("p{i}")))
         .collect();
     produce(&brokers, &topic, &msgs).await;
-    let store = Counting::new(MemoryBackend::new());
+    let store = MemoryBackend::new().layer(CallLog::new());
 
     let fresh = consume(&brokers, &topic, &store, n).await;
     let claims: Vec<usize> = fresh

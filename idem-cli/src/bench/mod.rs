@@ -210,7 +210,7 @@ async fn raw_workload(
     measure::run(c, d, move |_| {
         let (raw, value, ids) = (Arc::clone(&raw), value.clone(), keys.ids(b));
         async move {
-            raw.insert(&ids, &value).await?;
+            raw.insert(&ids, &value).await.store("raw baseline")?;
             Ok(u64::from(b))
         }
     })

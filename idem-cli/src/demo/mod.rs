@@ -22,7 +22,8 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 use crate::cli::DemoArgs;
 use crate::error::{Error, Result, StoreContext};
-use crate::target::{ConnectOptions, Target};
+use crate::target::Target;
+use idem::driver::Options;
 use idem_side::CrashAt;
 use plan::{DLQ, Ledger, PARTITIONS, Plan, Stage, TOPIC};
 use report::{Counters, Report};
@@ -32,7 +33,7 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
     check(args)?;
     let started = Instant::now();
     let target = Target::parse(&args.backend)?;
-    let backend = target.connect(&ConnectOptions::default()).await?.backend();
+    let backend = target.connect(&Options::new()).await?.backend();
     let namespace = format!("demo-{}-{}", std::process::id(), fastrand::u32(..));
     // A store that cannot answer (no tables yet, say) would stall the idem side: ask first.
     let probe =
