@@ -40,6 +40,9 @@ pub enum Command {
     Migrate(ChangeArgs),
     /// Dead-letter topics: list their letters, send letters back to their topics.
     Dlq(DlqArgs),
+    /// List the backends this build knows: their URL forms, and the feature that adds
+    /// each one not compiled in.
+    Backends,
 }
 
 /// The backend of an operator command.

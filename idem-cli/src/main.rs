@@ -58,6 +58,10 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Delete(a) => ops::delete(&a).await,
         Command::Purge(a) => ops::purge(&a).await,
         Command::Migrate(a) => ops::migrate(&a).await,
+        Command::Backends => {
+            println!("{}", target::listing());
+            Ok(())
+        }
         #[cfg(feature = "kafka")]
         Command::Dlq(a) => dlq::run(a).await,
         #[cfg(not(feature = "kafka"))]

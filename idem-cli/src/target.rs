@@ -59,6 +59,22 @@ impl Target {
     }
 }
 
+/// `idem backends`: one row per registered backend, compiled in or not.
+pub fn listing() -> String {
+    let mut table = comfy_table::Table::new();
+    table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
+    table.set_header(["backend", "schemes", "in this build", "URL"]);
+    for r in drivers() {
+        let (built, usage) = match r.driver {
+            Some(d) => ("yes".to_owned(), d.usage().to_owned()),
+            None => (format!("no: feature `{}`", r.feature), String::new()),
+        };
+        let schemes: Vec<String> = r.schemes.iter().map(|s| format!("{s}:")).collect();
+        table.add_row([r.name.to_owned(), schemes.join(" "), built, usage]);
+    }
+    table.to_string()
+}
+
 /// The URL forms of the backends compiled in, for errors.
 fn expected() -> String {
     let forms: Vec<String> = drivers()

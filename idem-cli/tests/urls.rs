@@ -89,4 +89,33 @@ fn a_backend_not_compiled_in_names_its_feature() {
         .output()
         .expect("run the minimal idem");
     assert!(out.status.success(), "memory: works without features");
+    let out = Command::new(built.path())
+        .args(["backends"])
+        .output()
+        .expect("run the minimal idem");
+    let listing = String::from_utf8_lossy(&out.stdout);
+    for (name, feature) in [
+        ("redis", "redis"),
+        ("postgres", "postgres"),
+        ("dynamodb", "dynamo"),
+    ] {
+        let row = listing.lines().find(|l| l.contains(&format!(" {name} ")));
+        let row = row.unwrap_or_else(|| panic!("no {name} row: {listing}"));
+        assert!(row.contains(&format!("no: feature `{feature}`")), "{row}");
+    }
+}
+
+#[test]
+fn the_backends_listing_shows_every_registered_backend() {
+    let listing = common::ok(&["backends"]);
+    for (name, scheme) in [
+        ("memory", "memory:"),
+        ("redis", "rediss:"),
+        ("postgres", "postgresql:"),
+        ("dynamodb", "dynamodb:"),
+    ] {
+        let row = listing.lines().find(|l| l.contains(&format!(" {name} ")));
+        let row = row.unwrap_or_else(|| panic!("no {name} row: {listing}"));
+        assert!(row.contains(scheme) && row.contains("yes"), "{row}");
+    }
 }
