@@ -18,7 +18,7 @@ pub enum Error {
         "{what} needs the cargo feature `{feature}`, which this build of idem lacks: rebuild with `cargo install idem-cli --features {feature}` (in the workspace: `cargo build -p idem-cli --features {feature}`)"
     )]
     FeatureMissing {
-        /// What needs it (`redis URLs`, `idem demo`).
+        /// What needs it (`the redis backend`, `idem demo`).
         what: String,
         /// The idem-cli feature that adds it.
         feature: &'static str,

@@ -29,7 +29,7 @@ impl Target {
         };
         let driver = idem::driver_for(text).map_err(|e| match e {
             LookupError::NotCompiled { name, feature } => Error::FeatureMissing {
-                what: format!("{name} URLs"),
+                what: format!("the {name} backend"),
                 feature,
             },
             other => bad(other.to_string()),
