@@ -3,11 +3,9 @@
 //! retry, observe), which must change no answer.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use conformance::{Factory, Fixture};
+use conformance::{Factory, Fixture, in_every_layer};
 use idem_core::clock::ManualClock;
-use idem_core::layer::{BackendExt, Chaos, Observe, RetryLayer, TimeoutLayer};
 use idem_core::{Backend, MemoryBackend, Timestamp};
 
 fn fresh() -> (MemoryBackend, ManualClock) {
@@ -45,31 +43,20 @@ impl Factory for Dyn {
     }
 }
 
-/// The backend in every layer, as a user stacks them: each try bounded, `Unavailable`
-/// retried, every call observed.
+/// The backend in every layer (`conformance::in_every_layer`).
 struct Layers;
-
-fn layered(backend: MemoryBackend) -> Arc<dyn Backend> {
-    Arc::new(
-        backend
-            .layer(Chaos::new())
-            .layer(TimeoutLayer::new(Duration::from_secs(5)))
-            .layer(RetryLayer::new())
-            .layer(Observe::new()),
-    )
-}
 
 impl Factory for Layers {
     type Backend = Arc<dyn Backend>;
     async fn setup(&self) -> Fixture<Arc<dyn Backend>> {
         let (backend, clock) = fresh();
-        Fixture::manual(layered(backend), clock)
+        Fixture::manual(in_every_layer(backend), clock)
     }
 
     async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<Arc<dyn Backend>>> {
         let (backend, clock) = fresh();
         Some(Fixture::manual(
-            layered(backend.with_max_response_bytes(limit)),
+            in_every_layer(backend.with_max_response_bytes(limit)),
             clock,
         ))
     }

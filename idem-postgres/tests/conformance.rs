@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use conformance::{Factory, Fixture, Remote};
-use idem_core::layer::{BackendExt, Observe, RetryLayer, TimeoutLayer};
+use conformance::{Factory, Fixture, Remote, in_every_layer};
 use idem_core::{Backend, Key, Result};
 use idem_postgres::{PgBackend, PgConfig};
 use sqlx::AssertSqlSafe;
@@ -81,28 +80,19 @@ impl Remote for Postgres {
 conformance::suite!(Postgres);
 conformance::remote_suite!(Postgres);
 
-/// The backend as a user stacks the layers over a real server.
+/// The backend in every layer (`conformance::in_every_layer`), over a real server.
 struct Layers;
-
-fn layered(backend: PgBackend) -> Arc<dyn Backend> {
-    Arc::new(
-        backend
-            .layer(TimeoutLayer::new(Duration::from_secs(5)))
-            .layer(RetryLayer::new())
-            .layer(Observe::new()),
-    )
-}
 
 impl Factory for Layers {
     type Backend = Arc<dyn Backend>;
     async fn setup(&self) -> Fixture<Arc<dyn Backend>> {
-        Fixture::real(layered(common::backend().await), LEASE)
+        Fixture::real(in_every_layer(common::backend().await), LEASE)
     }
 
     async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<Arc<dyn Backend>>> {
         let backend =
             common::backend_with(|c| c.with_max_connections(20).with_max_response_bytes(limit));
-        Some(Fixture::real(layered(backend.await), LEASE))
+        Some(Fixture::real(in_every_layer(backend.await), LEASE))
     }
 }
 
