@@ -9,6 +9,7 @@ mod config;
 mod conn;
 mod error;
 mod keys;
+mod library;
 mod list;
 mod notify;
 mod record;
