@@ -47,8 +47,9 @@ pub(crate) struct Shared {
 ///
 /// A fresh key is claimed with a plain `SET NX`; every other operation is an atomic Lua
 /// function of one Redis Functions library (complete, fail, release, extend, and a claim
-/// of a key that has a record), one round trip each or per batch. The server's clock decides lease lapse, and Redis expires
-/// records itself. Cloning is cheap and shares the connection.
+/// of a key that has a record), one round trip each or per batch. The server's clock
+/// decides lease lapse, and Redis expires records itself. Cloning is cheap and shares the
+/// connection.
 #[derive(Clone)]
 pub struct RedisBackend {
     pub(crate) conn: Conn,
