@@ -5,8 +5,8 @@
 //!
 //! The library is loaded where a call finds it missing (`ERR Function not found`: a new
 //! server, `FUNCTION FLUSH`, a restart without persistence, a failover to a replica that
-//! lacks it) with `FUNCTION LOAD REPLACE`, which a cluster connection sends to every
-//! primary, and the call is sent again.
+//! lacks it, a node added to a cluster) with `FUNCTION LOAD REPLACE`, sent to every
+//! primary of a cluster, and the call is sent again.
 //!
 //! Its name is `idem_v2_` and 16 hex digits of a hash of its sources, and so are its
 //! functions' names (`<library>_settle`): two versions of idem on one server load two
