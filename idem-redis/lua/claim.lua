@@ -1,5 +1,5 @@
--- machine::claim for every key in KEYS, in order (a key may appear more than once).
--- ARGV: five per key: owner, lease ttl (ms), fingerprint (empty: none), max attempts,
+-- machine::claim for every key in keys, in order (a key may appear more than once).
+-- args: five per key: owner, lease ttl (ms), fingerprint (empty: none), max attempts,
 -- retention (ms).
 -- Reply: one array per key:
 --   {1, token, attempts, lease_until, kind}  acquired; kind 0 first, 1 retry, 2 takeover
@@ -7,15 +7,9 @@
 --   {3, owner, lease_until}                  in progress
 --   {4, attempts, error}                     poisoned
 --   {5}                                      mismatch
-local now = now_ms()
 
--- Every record is read (and checked) before anything is written.
-local recs = {}
-for _, key in ipairs(KEYS) do
-  if recs[key] == nil then recs[key] = load(key, now) or false end
-end
-
-local function grant(prev, key, c, kind)
+-- Grants claim c of key at now over prev (nil: none), writing the record into recs too.
+local function grant(recs, now, prev, key, c, kind)
   local until_ms = now + c.ttl
   local rec = { s = 'P', o = c.owner, t = 1, n = 1, l = until_ms, x = until_ms + c.retention,
                 f = c.fp, k = false }
@@ -29,14 +23,15 @@ local function grant(prev, key, c, kind)
   return { 1, rec.t, rec.n, until_ms, kind }
 end
 
-local function claim(key, c)
+-- The answer to claim c of key at now, given the records read so far (recs).
+local function claim_one(recs, now, key, c)
   local rec = recs[key]
-  if not rec then return grant(nil, key, c, 0) end
+  if not rec then return grant(recs, now, nil, key, c, 0) end
   if rec.f ~= nil and c.fp ~= nil and rec.f ~= c.fp then return { 5 } end
   if rec.s == 'C' then return { 2, rec.r or '' } end
   if rec.s == 'F' then
     if rec.k or rec.n >= c.max then return { 4, rec.n, rec.e or '' } end
-    return grant(rec, key, c, 1)
+    return grant(recs, now, rec, key, c, 1)
   end
   if rec.l ~= nil and now < rec.l then return { 3, rec.o, rec.l } end
   if rec.n >= c.max then
@@ -47,19 +42,27 @@ local function claim(key, c)
     save(key, rec, now)
     return { 4, rec.n, rec.e }
   end
-  return grant(rec, key, c, 2)
+  return grant(recs, now, rec, key, c, 2)
 end
 
-local out = {}
-for i, key in ipairs(KEYS) do
-  local b = (i - 1) * 5
-  local fp = ARGV[b + 3]
-  if fp == '' then fp = nil end
-  local max = tonumber(ARGV[b + 4])
-  if max < 1 then max = 1 end
-  out[i] = claim(key, {
-    owner = ARGV[b + 1], ttl = tonumber(ARGV[b + 2]), fp = fp, max = max,
-    retention = tonumber(ARGV[b + 5]),
-  })
+local function claim(keys, args)
+  local now = now_ms()
+  -- Every record is read (and checked) before anything is written.
+  local recs = {}
+  for _, key in ipairs(keys) do
+    if recs[key] == nil then recs[key] = load(key, now) or false end
+  end
+  local out = {}
+  for i, key in ipairs(keys) do
+    local b = (i - 1) * 5
+    local fp = args[b + 3]
+    if fp == '' then fp = nil end
+    local max = tonumber(args[b + 4])
+    if max < 1 then max = 1 end
+    out[i] = claim_one(recs, now, key, {
+      owner = args[b + 1], ttl = tonumber(args[b + 2]), fp = fp, max = max,
+      retention = tonumber(args[b + 5]),
+    })
+  end
+  return out
 end
-return out

@@ -1,2 +1,4 @@
--- get. KEYS[1]: the record. Reply: {the value (nil: none), its PEXPIRETIME}, read at once.
-return { redis.call('GET', KEYS[1]), redis.call('PEXPIRETIME', KEYS[1]) }
+-- get. keys[1]: the record. Reply: {the value (nil: none), its PEXPIRETIME}, read at once.
+local function get(keys)
+  return { redis.call('GET', keys[1]), redis.call('PEXPIRETIME', keys[1]) }
+end

@@ -1,5 +1,6 @@
--- Shared by every idem script (the backend puts it in front of each one): the server's
--- clock, and reading and writing one record.
+-- The helpers every idem function shares (the first part of the library, see
+-- library.lua), defined once when the library loads: the server's clock, and reading and
+-- writing one record.
 --
 -- A record is one string whose front is fixed: state, token and owner, so that the fencing
 -- scripts check a prefix instead of decoding it. No deadline is stored: the key's

@@ -1,15 +1,14 @@
 -- machine::settle for every item, in order (a key may appear more than once: each item
 -- reads what the one before it wrote).
--- KEYS: the record of each item. ARGV: retention (ms), the channel announcing settled
+-- keys: the record of each item. args: retention (ms), the channel announcing settled
 -- keys, then three per item: the lease's fencing prefix (P<token>:<owner length>:<owner>),
 -- the action (c complete, f fail, F fail permanently, r release), the response or error
 -- text.
 -- Reply: one integer per item: 1 done, 0 fenced. Each key done is published on the
 -- channel (its record's Redis key), which wakes the engines waiting on it.
-local retention = tonumber(ARGV[1])
-local channel = ARGV[2]
 
-local function settle(key, prefix, action, text)
+-- One item: 1 done, 0 fenced.
+local function settle_one(key, prefix, action, text, retention)
   local v = redis.call('GET', key)
   if not v then return 0 end
   if string.sub(v, 1, #prefix) ~= prefix then
@@ -38,10 +37,14 @@ local function settle(key, prefix, action, text)
   return 1
 end
 
-local out = {}
-for i, key in ipairs(KEYS) do
-  local b = 2 + (i - 1) * 3
-  out[i] = settle(key, ARGV[b + 1], ARGV[b + 2], ARGV[b + 3])
-  if out[i] == 1 then redis.call('PUBLISH', channel, key) end
+local function settle(keys, args)
+  local retention = tonumber(args[1])
+  local channel = args[2]
+  local out = {}
+  for i, key in ipairs(keys) do
+    local b = 2 + (i - 1) * 3
+    out[i] = settle_one(key, args[b + 1], args[b + 2], args[b + 3], retention)
+    if out[i] == 1 then redis.call('PUBLISH', channel, key) end
+  end
+  return out
 end
-return out

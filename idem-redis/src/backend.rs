@@ -13,17 +13,18 @@ use idem_core::{
     Result, Settlement, Timestamp, Watch,
 };
 use redis::cluster_routing::Slot;
-use redis::{RedisResult, Script, Value};
+use redis::{RedisResult, Value};
 
 use crate::RedisConfig;
 use crate::conn::{Conn, within};
 use crate::error::bad_reply;
 use crate::keys::Layout;
+use crate::library::{Function, Library};
 use crate::record::{decode_record, fence};
 use crate::reply::int;
 
 /// Durations are sent in milliseconds, at most about a century, so that every deadline
-/// stays exact in the scripts' numbers.
+/// stays exact in the Lua functions' numbers.
 const MAX_MILLIS: u64 = 100 * 365 * 24 * 3600 * 1000;
 
 pub(crate) fn millis(d: Duration) -> u64 {
@@ -32,37 +33,11 @@ pub(crate) fn millis(d: Duration) -> u64 {
         .min(MAX_MILLIS)
 }
 
-/// The scripts, each but `get` with `lua/record.lua` and `lua/load.lua` in front.
-pub(crate) struct Scripts {
-    pub(crate) claim: Script,
-    pub(crate) settle: Script,
-    extend: Script,
-    get: Script,
-}
-
-impl Scripts {
-    fn new() -> Self {
-        let with_record = |body: &str| {
-            Script::new(&format!(
-                "{}\n{}\n{body}",
-                include_str!("../lua/record.lua"),
-                include_str!("../lua/load.lua")
-            ))
-        };
-        Scripts {
-            claim: with_record(include_str!("../lua/claim.lua")),
-            settle: with_record(include_str!("../lua/settle.lua")),
-            extend: with_record(include_str!("../lua/extend.lua")),
-            get: Script::new(include_str!("../lua/get.lua")),
-        }
-    }
-}
-
 pub(crate) struct Shared {
     pub(crate) config: RedisConfig,
     pub(crate) layout: Layout,
-    pub(crate) scripts: Scripts,
-    /// The channel the settle script announces settled keys on: `<prefix>settled`.
+    pub(crate) library: Library,
+    /// The channel the settle function announces settled keys on: `<prefix>settled`.
     pub(crate) channel: String,
     /// The subscriber feeding [`Backend::watch`], started by the first watch.
     pub(crate) feed: OnceLock<Feed>,
@@ -71,9 +46,10 @@ pub(crate) struct Shared {
 /// Idempotency records in Redis, standalone or cluster.
 ///
 /// A fresh key is claimed with a plain `SET NX`; every other operation is an atomic Lua
-/// script (complete, fail, release, extend, and a claim of a key that has a record), one
-/// round trip each or per batch. The server's clock decides lease lapse, and Redis expires
-/// records itself. Cloning is cheap and shares the connection.
+/// function of one Redis Functions library (complete, fail, release, extend, and a claim
+/// of a key that has a record), one round trip each or per batch. The server's clock
+/// decides lease lapse, and Redis expires records itself. Cloning is cheap and shares the
+/// connection.
 #[derive(Clone)]
 pub struct RedisBackend {
     pub(crate) conn: Conn,
@@ -114,7 +90,7 @@ impl RedisBackend {
                 channel: format!("{}settled", config.prefix()),
                 config,
                 layout,
-                scripts: Scripts::new(),
+                library: Library::new(),
                 feed: OnceLock::new(),
             }),
         }
@@ -128,6 +104,14 @@ impl RedisBackend {
     /// The Redis key that holds `key`'s record (see the README for the layout).
     pub fn record_key(&self, key: &Key) -> String {
         self.shared.layout.record(key)
+    }
+
+    /// The name of the Redis Functions library this version of idem loads (on every
+    /// primary of a cluster, where a call finds it missing): `idem_v2_` and a hash of its
+    /// sources, so that another version's library, loaded beside it, is another name. An
+    /// operator may `FUNCTION DELETE` the libraries of versions no longer running.
+    pub fn function_library(&self) -> &str {
+        self.shared.library.name()
     }
 
     /// Runs `fut` within the configured timeout, mapping its error.
@@ -166,7 +150,7 @@ impl Backend for RedisBackend {
     }
 
     /// A pipeline of `SET NX` for the batch, then, for the keys that had a record and need
-    /// a decision, one script call; in a cluster, each per slot, sent together.
+    /// a decision, one function call; in a cluster, each per slot, sent together.
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
         self.claim_all(claims).await
     }
@@ -192,7 +176,7 @@ impl Backend for RedisBackend {
             .await
     }
 
-    /// One script call for the whole batch standalone; in a cluster, one per slot, sent
+    /// One function call for the whole batch standalone; in a cluster, one per slot, sent
     /// together. Oversized responses are refused here and never sent.
     async fn settle_many(
         &self,
@@ -203,10 +187,12 @@ impl Backend for RedisBackend {
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
-        let mut inv = self.shared.scripts.extend.key(self.record_key(&lease.key));
-        inv.arg(fence(lease)).arg(millis(ttl));
-        let mut conn = self.conn.clone();
-        let until: i64 = self.call("extend", inv.invoke_async(&mut conn)).await?;
+        let mut cmd = self.shared.library.fcall(Function::Extend, 1);
+        cmd.arg(self.record_key(&lease.key))
+            .arg(fence(lease))
+            .arg(millis(ttl));
+        let until = self.fcall("extend", cmd).await?;
+        let until = int(&until).ok_or_else(|| bad_reply("extend", format!("{until:?}")))?;
         u64::try_from(until)
             .map(Timestamp::from_millis)
             .map_err(|_| Error::Fenced {
@@ -216,10 +202,9 @@ impl Backend for RedisBackend {
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>> {
-        let inv = self.shared.scripts.get.key(self.record_key(key));
-        let mut conn = self.conn.clone();
-        let reply: Value = self.call("get", inv.invoke_async(&mut conn)).await?;
-        match reply {
+        let mut cmd = self.shared.library.fcall(Function::Get, 1);
+        cmd.arg(self.record_key(key));
+        match self.fcall("get", cmd).await? {
             Value::Array(mut parts) if parts.len() == 2 => {
                 let expire = parts.pop().as_ref().and_then(int);
                 let value = parts.pop().unwrap_or(Value::Nil);

@@ -2,7 +2,7 @@
 //! a batch), which writes the fresh record and its expiry; `PEXPIRETIME`, sent with it,
 //! gives the lease's deadline by the server's clock. Where `SET` found a record, a
 //! completed or spent one is answered from the value it returned; the rest go to the claim
-//! script (`lua/claim.lua`), one call per batch per cluster slot.
+//! function (`lua/claim.lua`, see `library.rs`), one call per batch per cluster slot.
 
 use std::collections::HashMap;
 
@@ -12,6 +12,7 @@ use redis::Value;
 use crate::RedisBackend;
 use crate::backend::millis;
 use crate::error::{bad_reply, from_redis};
+use crate::library::Function;
 use crate::record::{decode_record, fresh};
 use crate::reply::{decode_outcome, int};
 
@@ -24,7 +25,7 @@ impl RedisBackend {
         for k in &keys {
             *count.entry(k.as_str()).or_default() += 1;
         }
-        // A key met twice in the batch goes to the script, which answers its items in order.
+        // A key met twice in the batch goes to the function, which answers its items in order.
         let fast = (0..claims.len()).filter(|&i| {
             let c = &claims[i];
             count[keys[i].as_str()] == 1 && millis(c.lease_ttl) + millis(c.retention) >= 2
@@ -42,7 +43,7 @@ impl RedisBackend {
         }
         let rest = (0..claims.len()).filter(|&i| out[i].is_none());
         let groups = self.by_slot(&keys, rest);
-        let calls = groups.iter().map(|g| self.claim_script(&keys, claims, g));
+        let calls = groups.iter().map(|g| self.claim_function(&keys, claims, g));
         for (group, answers) in groups
             .iter()
             .zip(futures::future::try_join_all(calls).await?)
@@ -58,7 +59,7 @@ impl RedisBackend {
 
     /// One pipeline of `SET key <fresh record> NX PX <lease + retention - 1> GET` and
     /// `PEXPIRETIME key` for the claims at `group` (one slot): each answer, or `None` where
-    /// the script must decide.
+    /// the function must decide.
     async fn set_nx(
         &self,
         keys: &[String],
@@ -101,27 +102,28 @@ impl RedisBackend {
         Ok(out)
     }
 
-    /// One claim script call for the claims at `group`, all in one slot when in a cluster.
-    async fn claim_script(
+    /// One claim function call for the claims at `group`, all in one slot when in a
+    /// cluster.
+    async fn claim_function(
         &self,
         keys: &[String],
         claims: &[Claim],
         group: &[usize],
     ) -> Result<Vec<ClaimOutcome>> {
-        let mut inv = self.shared.scripts.claim.prepare_invoke();
+        let mut cmd = self.shared.library.fcall(Function::Claim, group.len());
+        for &i in group {
+            cmd.arg(&keys[i]);
+        }
         for &i in group {
             let c = &claims[i];
             let fingerprint = c.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]);
-            inv.key(&keys[i])
-                .arg(&c.owner)
+            cmd.arg(&c.owner)
                 .arg(millis(c.lease_ttl))
                 .arg(fingerprint)
                 .arg(c.max_attempts)
                 .arg(millis(c.retention));
         }
-        let mut conn = self.conn.clone();
-        let reply: Value = self.call("claim", inv.invoke_async(&mut conn)).await?;
-        let answers = match reply {
+        let answers = match self.fcall("claim", cmd).await? {
             Value::Array(answers) if answers.len() == group.len() => answers,
             other => return Err(bad_reply("claim", format!("{other:?}"))),
         };
@@ -153,7 +155,7 @@ fn granted(claim: &Claim, expire: i64) -> ClaimOutcome {
 
 /// The answer to `claim` from the record `SET NX` found, where it needs neither the clock
 /// nor a write: a completed or failed record's `Completed`, `Poisoned` or `Mismatch`.
-/// `None` (the script decides) for a `Processing` record, a retry, or a record gone.
+/// `None` (the function decides) for a `Processing` record, a retry, or a record gone.
 fn settled(claim: &Claim, found: Value, expire: i64) -> Result<Option<ClaimOutcome>> {
     let Some(rec) = decode_record(&claim.key, found, expire)? else {
         return Ok(None);

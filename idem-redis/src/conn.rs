@@ -8,7 +8,9 @@ use idem_core::{Error, Result};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo, SingleNodeRoutingInfo,
+};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::RedisConfig;
@@ -66,6 +68,23 @@ impl Conn {
                 c.route_command(cmd, RoutingInfo::SingleNode(route)).await
             }
             (conn, _) => cmd.query_async(conn).await,
+        }
+    }
+
+    /// Sends `cmd` to every primary of a cluster (an error if any refuses it), or to the
+    /// one server.
+    pub(crate) async fn query_all_primaries(&mut self, cmd: Cmd) -> RedisResult<Value> {
+        match self {
+            Conn::Cluster(c) => {
+                let route = (
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                );
+                c.route_command(cmd, RoutingInfo::MultiNode(route))
+                    .await?
+                    .extract_error()
+            }
+            conn => cmd.query_async(conn).await,
         }
     }
 

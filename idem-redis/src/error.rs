@@ -3,11 +3,11 @@
 use idem_core::Error;
 use redis::{ErrorKind, RedisError};
 
-/// The error code the scripts raise for a record that does not decode.
+/// The error code the Lua functions raise for a record that does not decode.
 const CORRUPT_CODE: &str = "IDEMCORRUPT";
 
 /// Maps a driver error from `what` (an operation name). Records that do not decode (our
-/// scripts' `IDEMCORRUPT`, a foreign type's `WRONGTYPE`, a reply of the wrong shape) are
+/// functions' `IDEMCORRUPT`, a foreign type's `WRONGTYPE`, a reply of the wrong shape) are
 /// [`Error::Corrupt`]; everything else (refused, reset, timed out, cluster moving, server
 /// busy or out of memory) is [`Error::Unavailable`], which callers retry later.
 pub(crate) fn from_redis(what: &str, err: RedisError) -> Error {
@@ -26,7 +26,7 @@ pub(crate) fn from_redis(what: &str, err: RedisError) -> Error {
     }
 }
 
-/// A reply whose shape is not what the script returns.
+/// A reply whose shape is not what the function returns.
 pub(crate) fn bad_reply(what: &str, why: impl std::fmt::Display) -> Error {
     Error::corrupt(format!("{what}: unexpected reply from Redis: {why}"))
 }

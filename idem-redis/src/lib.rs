@@ -10,6 +10,7 @@ mod conn;
 mod driver;
 mod error;
 mod keys;
+mod library;
 mod list;
 mod notify;
 mod record;

@@ -2,7 +2,7 @@
 //! publishes every key it settles on `<prefix>settled`, and one subscriber connection per
 //! backend forwards those keys to the waiters in process.
 //!
-//! In a cluster the script's `PUBLISH` reaches every node (Redis forwards classic pub/sub
+//! In a cluster the function's `PUBLISH` reaches every node (Redis forwards classic pub/sub
 //! over the cluster bus), so the subscriber needs one node only; each reconnect tries the
 //! next configured node, so losing a node costs one reconnect.
 

@@ -11,7 +11,7 @@ use crate::error::{bad_reply, from_redis};
 use crate::v1;
 
 /// The front of the record `lease` holds: state `P`, its token and its owner. The fencing
-/// scripts compare it with the record's first bytes; the owner's length makes a match
+/// functions compare it with the record's first bytes; the owner's length makes a match
 /// exact.
 pub(crate) fn fence(lease: &Lease) -> Vec<u8> {
     let mut out = format!("P{}:{}:", lease.token, lease.owner.len()).into_bytes();

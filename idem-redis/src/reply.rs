@@ -1,4 +1,4 @@
-//! The claim script's reply (see `lua/claim.lua` for its shape).
+//! The claim function's reply (see `lua/claim.lua` for its shape).
 
 use bytes::Bytes;
 use idem_core::{Claim, ClaimKind, ClaimOutcome, Lease, Result, Timestamp};
@@ -25,7 +25,7 @@ fn millis(value: &Value) -> Option<Timestamp> {
     Some(Timestamp::from_millis(u64::try_from(int(value)?).ok()?))
 }
 
-/// One answer of the claim script (see `lua/claim.lua` for its shape).
+/// One answer of the claim function (see `lua/claim.lua` for its shape).
 pub(crate) fn decode_outcome(claim: &Claim, value: Value) -> Result<ClaimOutcome> {
     decode_outcome_inner(claim, &value).ok_or_else(|| bad_reply("claim", format!("{value:?}")))
 }

@@ -1,7 +1,7 @@
-//! Settling leases (complete, fail, release) with `lua/settle.lua`: it checks that each
-//! record starts with its lease's fencing prefix and writes the new one around the part
-//! the client does not know (fingerprint and attempts), one call per batch per cluster
-//! slot.
+//! Settling leases (complete, fail, release) with the settle function (`lua/settle.lua`):
+//! it checks that each record starts with its lease's fencing prefix and writes the new
+//! one around the part the client does not know (fingerprint and attempts), one call per
+//! batch per cluster slot.
 
 use std::time::Duration;
 
@@ -11,6 +11,7 @@ use redis::Value;
 use crate::RedisBackend;
 use crate::backend::millis;
 use crate::error::bad_reply;
+use crate::library::Function;
 use crate::record::fence;
 
 impl RedisBackend {
@@ -33,7 +34,7 @@ impl RedisBackend {
         let groups = self.by_slot(&keys, sent);
         let calls = groups
             .iter()
-            .map(|g| self.settle_script(&keys, items, g, retention));
+            .map(|g| self.settle_function(&keys, items, g, retention));
         for (group, done) in groups
             .iter()
             .zip(futures::future::try_join_all(calls).await?)
@@ -57,36 +58,37 @@ impl RedisBackend {
             .unwrap_or_else(|| Err(bad_reply("settle", "no answer")))
     }
 
-    /// One settle script call for the items at `group`, all in one slot when in a
+    /// One settle function call for the items at `group`, all in one slot when in a
     /// cluster: whether each was done (else fenced).
-    async fn settle_script(
+    async fn settle_function(
         &self,
         keys: &[String],
         items: &[Settlement],
         group: &[usize],
         retention: Duration,
     ) -> Result<Vec<bool>> {
-        let mut inv = self.shared.scripts.settle.prepare_invoke();
-        inv.arg(millis(retention)).arg(&self.shared.channel);
+        let mut cmd = self.shared.library.fcall(Function::Settle, group.len());
+        for &i in group {
+            cmd.arg(&keys[i]);
+        }
+        cmd.arg(millis(retention)).arg(&self.shared.channel);
         for &i in group {
             let item = &items[i];
-            inv.key(&keys[i]).arg(fence(&item.lease));
+            cmd.arg(fence(&item.lease));
             match &item.settle {
-                Settle::Complete(response) => inv.arg("c").arg(&response[..]),
+                Settle::Complete(response) => cmd.arg("c").arg(&response[..]),
                 Settle::Fail { error, kind } => {
                     let action = if *kind == FailureKind::Permanent {
                         "F"
                     } else {
                         "f"
                     };
-                    inv.arg(action).arg(error.as_str())
+                    cmd.arg(action).arg(error.as_str())
                 }
-                Settle::Release => inv.arg("r").arg(""),
+                Settle::Release => cmd.arg("r").arg(""),
             };
         }
-        let mut conn = self.conn.clone();
-        let reply: Value = self.call("settle", inv.invoke_async(&mut conn)).await?;
-        match reply {
+        match self.fcall("settle", cmd).await? {
             Value::Array(answers) if answers.len() == group.len() => answers
                 .iter()
                 .map(|a| match a {

@@ -1,5 +1,5 @@
 //! The first record layout, which this version still reads (`get`, `list`, and the claim
-//! script's `lua/load.lua`) and never writes:
+//! function's `lua/load.lua`) and never writes:
 //! `<s><t>,<n>,<l>,<x>,<k>,<#o>,<#f>,<#r>,<#e>;<o><f><r><e>`, deadlines inside.
 
 use bytes::Bytes;
@@ -78,7 +78,7 @@ pub(crate) fn decode(key: &Key, raw: &[u8]) -> Result<Record, &'static str> {
     })
 }
 
-/// A decimal of at most 15 digits, as the scripts accept it.
+/// A decimal of at most 15 digits, as the Lua functions accept it.
 pub(crate) fn number(text: &[u8]) -> Option<u64> {
     if text.is_empty() || text.len() > 15 || !text.iter().all(u8::is_ascii_digit) {
         return None;

@@ -1,4 +1,4 @@
-//! Behaviour that needs a server of its own (stopped, restarted, its script cache flushed,
+//! Behaviour that needs a server of its own (stopped, restarted, its functions flushed,
 //! its commands counted) or the cluster's layout.
 
 mod common;
@@ -23,31 +23,55 @@ async fn acquire(backend: &RedisBackend, key: &Key, owner: &str) -> Lease {
     }
 }
 
-/// How many times the server ran `EVALSHA` so far.
-async fn evalsha_calls(conn: &mut impl ConnectionLike) -> u64 {
+/// How many times the server ran `FCALL` so far.
+async fn fcall_calls(conn: &mut impl ConnectionLike) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
         .await
         .expect("info");
     info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|l| l.strip_prefix("cmdstat_fcall:calls="))
         .and_then(|rest| rest.split(',').next())
         .map_or(0, |n| n.parse().expect("calls"))
 }
 
-async fn script_flush(conn: &mut impl ConnectionLike) {
-    let _: () = redis::cmd("SCRIPT")
+/// `FUNCTION FLUSH`: on every primary through a cluster connection.
+async fn function_flush(conn: &mut impl ConnectionLike) {
+    let _: () = redis::cmd("FUNCTION")
         .arg("FLUSH")
         .query_async(conn)
         .await
-        .expect("script flush");
+        .expect("function flush");
 }
 
-/// A batch costs one pipeline of `SET NX`, then one script call for the keys that had a
-/// record; settling it is one script call.
+/// The names of the function libraries loaded on the server at `url`.
+async fn libraries(url: &str) -> Vec<String> {
+    let mut conn = raw(url).await;
+    let list: Vec<redis::Value> = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .query_async(&mut conn)
+        .await
+        .expect("function list");
+    let mut names = Vec::new();
+    for library in list {
+        let fields: Vec<redis::Value> = redis::from_redis_value(library).expect("a library");
+        for pair in fields.chunks(2) {
+            match pair {
+                [redis::Value::BulkString(field), value] if field == b"library_name" => {
+                    names.push(redis::from_redis_value(value.clone()).expect("a name"));
+                }
+                _ => {}
+            }
+        }
+    }
+    names
+}
+
+/// A batch costs one pipeline of `SET NX`, then one function call for the keys that had a
+/// record; settling it is one function call.
 #[tokio::test]
-async fn a_batch_is_one_script_call() {
+async fn a_batch_is_one_function_call() {
     let server = PrivateServer::start().await;
     let backend = connect(RedisConfig::new(server.url())).await;
     let mut conn = raw(&server.url()).await;
@@ -56,10 +80,10 @@ async fn a_batch_is_one_script_call() {
     backend
         .claim(&batch[0])
         .await
-        .expect("a claim of a held key loads the script");
-    let before = evalsha_calls(&mut conn).await;
+        .expect("a claim of a held key loads the library");
+    let before = fcall_calls(&mut conn).await;
     let answers = backend.claim_many(&batch).await.expect("claim_many");
-    assert_eq!(evalsha_calls(&mut conn).await - before, 1);
+    assert_eq!(fcall_calls(&mut conn).await - before, 1);
     assert!(matches!(&answers[0], ClaimOutcome::InProgress { owner, .. } if owner == "w"));
     let mut settle = Vec::new();
     for (c, answer) in batch.iter().zip(&answers).skip(1) {
@@ -73,13 +97,13 @@ async fn a_batch_is_one_script_call() {
     backend
         .complete(&settle[0].lease, Bytes::from_static(b"ok"), HOUR)
         .await
-        .expect("a complete loads the script");
-    let before = evalsha_calls(&mut conn).await;
+        .expect("a complete");
+    let before = fcall_calls(&mut conn).await;
     let answers = backend
         .settle_many(&settle, HOUR)
         .await
         .expect("settle_many");
-    assert_eq!(evalsha_calls(&mut conn).await - before, 1);
+    assert_eq!(fcall_calls(&mut conn).await - before, 1);
     assert!(
         matches!(answers[0], Err(Error::Fenced { .. })),
         "{:?}",
@@ -88,31 +112,40 @@ async fn a_batch_is_one_script_call() {
     assert!(answers[1..].iter().all(Result::is_ok), "{answers:?}");
 }
 
+/// Every function call survives `FUNCTION FLUSH` before it: the call finds its function
+/// missing (`ERR Function not found`), loads the library and calls again.
 #[tokio::test]
-async fn scripts_reload_after_the_cache_is_flushed() {
+async fn functions_reload_after_they_are_flushed() {
     let server = PrivateServer::start().await;
     let backend = connect(RedisConfig::new(server.url())).await;
     let mut conn = raw(&server.url()).await;
-    let (a, b) = (key("a"), key("b"));
+    let (a, b, c) = (key("a"), key("b"), key("c"));
     let lease = acquire(&backend, &a, "w").await;
-    script_flush(&mut conn).await;
     let other = acquire(&backend, &b, "w").await;
-    script_flush(&mut conn).await;
+    let third = acquire(&backend, &c, "w").await;
     let until = backend.extend(&lease, HOUR).await.expect("extend");
     assert!(until > lease.lease_until);
-    script_flush(&mut conn).await;
+    assert_eq!(libraries(&server.url()).await, [backend.function_library()]);
+    function_flush(&mut conn).await;
+    assert!(libraries(&server.url()).await.is_empty());
+    let until = backend.extend(&lease, HOUR).await.expect("extend");
+    assert!(until > lease.lease_until);
+    function_flush(&mut conn).await;
     backend
         .complete(&lease, Bytes::from_static(b"ok"), HOUR)
         .await
         .expect("complete");
-    script_flush(&mut conn).await;
+    function_flush(&mut conn).await;
     backend
         .fail(&other, "no", FailureKind::Permanent, HOUR)
         .await
         .expect("fail");
-    script_flush(&mut conn).await;
+    function_flush(&mut conn).await;
+    let got = backend.get(&a).await.expect("get").expect("a record");
+    assert_eq!(got.state, State::Completed);
+    function_flush(&mut conn).await;
     let answers = backend
-        .claim_many(&[claim(&a, "v"), claim(&b, "v")])
+        .claim_many(&[claim(&a, "v"), claim(&b, "v"), claim(&c, "v")])
         .await
         .expect("claim_many");
     assert_eq!(
@@ -120,6 +153,25 @@ async fn scripts_reload_after_the_cache_is_flushed() {
         ClaimOutcome::Completed(Bytes::from_static(b"ok"))
     );
     assert!(matches!(&answers[1], ClaimOutcome::Poisoned { error, .. } if error == "no"));
+    assert!(matches!(&answers[2], ClaimOutcome::InProgress { owner, .. } if owner == "w"));
+    function_flush(&mut conn).await;
+    backend.release(&third).await.expect("release");
+    // Many calls at once after a flush: each loads the library (REPLACE) and succeeds.
+    function_flush(&mut conn).await;
+    let shared = &backend;
+    let leases: Vec<Lease> = futures::future::join_all(
+        (0..16).map(|i| async move { acquire(shared, &key(&format!("m{i}")), "w").await }),
+    )
+    .await;
+    function_flush(&mut conn).await;
+    let done = futures::future::join_all(
+        leases
+            .iter()
+            .map(|l| backend.complete(l, Bytes::from_static(b"ok"), HOUR)),
+    )
+    .await;
+    assert!(done.iter().all(Result::is_ok), "{done:?}");
+    assert_eq!(libraries(&server.url()).await, [backend.function_library()]);
 }
 
 #[tokio::test]
@@ -150,9 +202,16 @@ async fn reconnects_after_the_server_restarts() {
             }
         }
     };
-    assert!(matches!(answer, ClaimOutcome::Acquired(_)), "{answer:?}");
-    // The restarted server kept nothing (no persistence): the old key is new again.
+    // The restarted server kept nothing (no persistence): the old key is new again, and
+    // the function library is loaded again by the first call that needs it.
+    let ClaimOutcome::Acquired(lease) = answer else {
+        panic!("{answer:?}")
+    };
     assert_eq!(backend.get(&k).await.expect("get"), None);
+    backend
+        .complete(&lease, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("complete");
 }
 
 #[tokio::test]
@@ -207,18 +266,64 @@ async fn cluster_batches_span_slots_and_keep_order() {
     }
 }
 
+/// After `FUNCTION FLUSH` on every primary, the first call that finds its function
+/// missing loads the library on every primary, and calls on any slot work again. (Other
+/// tests of this file share the cluster and may load it too, so only the end state is
+/// checked here; `functions_reload_after_they_are_flushed` watches a private server.)
 #[tokio::test]
-async fn cluster_scripts_reload_after_the_cache_is_flushed() {
+async fn cluster_functions_reload_after_they_are_flushed() {
     let backend = connect(cluster_config()).await;
     let mut conn = raw_cluster().await;
+    let primaries = primaries(&mut conn).await;
+    assert!(primaries.len() >= 3, "{primaries:?}");
     let k = key("flush");
     let lease = acquire(&backend, &k, "w").await;
-    script_flush(&mut conn).await; // every primary
+    function_flush(&mut conn).await; // every primary
     backend
         .complete(&lease, Bytes::from_static(b"ok"), HOUR)
         .await
         .expect("complete");
-    script_flush(&mut conn).await;
+    for url in &primaries {
+        let loaded = libraries(url).await;
+        assert!(
+            loaded.iter().any(|l| l == backend.function_library()),
+            "{url}: {loaded:?}"
+        );
+    }
+    // Keys of every primary's slots settle without another load.
+    let ns = unique_namespace();
+    let keys: Vec<Key> = (0..32)
+        .map(|i| Key::new(ns.clone(), format!("k{i}")).expect("key"))
+        .collect();
+    let mut items = Vec::new();
+    for k in &keys {
+        let lease = acquire(&backend, k, "w").await;
+        items.push(Settlement::complete(lease, Bytes::from_static(b"ok")));
+    }
+    let done = backend
+        .settle_many(&items, HOUR)
+        .await
+        .expect("settle_many");
+    assert!(done.iter().all(Result::is_ok), "{done:?}");
+    function_flush(&mut conn).await;
     let replay = backend.claim(&claim(&k, "v")).await.expect("claim");
     assert_eq!(replay, ClaimOutcome::Completed(Bytes::from_static(b"ok")));
+    let got = backend.get(&k).await.expect("get").expect("a record");
+    assert_eq!(got.state, State::Completed);
+}
+
+/// The URLs of the cluster's primaries, from `CLUSTER NODES`.
+async fn primaries(conn: &mut impl ConnectionLike) -> Vec<String> {
+    let nodes: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(conn)
+        .await
+        .expect("cluster nodes");
+    nodes
+        .lines()
+        .filter(|l| l.split(' ').nth(2).is_some_and(|f| f.contains("master")))
+        .filter_map(|l| l.split(' ').nth(1))
+        .filter_map(|addr| addr.split('@').next())
+        .map(|addr| format!("redis://{addr}/"))
+        .collect()
 }

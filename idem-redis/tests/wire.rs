@@ -1,6 +1,7 @@
-//! The wire protocol: a fresh key is claimed with a plain `SET NX` and no script, the
-//! deadline of such a lease lives in the server's expiry (so the server's clock decides its
-//! lapse), and records of the first layout are still read.
+//! The wire protocol: a fresh key is claimed with a plain `SET NX` and no script, a
+//! complete is one `FCALL` of the idem library (no `EVALSHA`), the deadline of a fast-path
+//! lease lives in the server's expiry (so the server's clock decides its lapse), and
+//! records of the first layout are still read.
 
 mod common;
 
@@ -47,7 +48,7 @@ async fn fresh_keys_and_replays_need_no_script() {
     let backend = connect(RedisConfig::new(server.url())).await;
     let mut conn = raw(&server.url()).await;
     let batch = fresh_batch(128);
-    let counted = ["evalsha", "eval", "set"];
+    let counted = ["evalsha", "eval", "set", "fcall", "function|load"];
     let before = calls(&mut conn, &counted).await;
     let lease = acquired(
         backend
@@ -66,16 +67,38 @@ async fn fresh_keys_and_replays_need_no_script() {
     assert_eq!(after[0] - before[0], 0, "EVALSHA calls");
     assert_eq!(after[1] - before[1], 0, "EVAL calls");
     assert_eq!(after[2] - before[2], 129, "SET calls");
+    assert_eq!(after[3] - before[3], 0, "FCALL calls");
 
+    // The server has no idem library yet: the first complete finds its function missing,
+    // loads the library and calls again.
+    let before = calls(&mut conn, &counted).await;
     backend
         .complete(&lease, Bytes::from_static(b"ok"), HOUR)
         .await
         .expect("complete");
+    let after = calls(&mut conn, &counted).await;
+    assert_eq!(after[3] - before[3], 2, "FCALL calls, the first refused");
+    assert_eq!(after[4] - before[4], 1, "FUNCTION LOAD calls");
+    // From then on a complete is one FCALL, and no script.
+    let ClaimOutcome::Acquired(other) = &answers[0] else {
+        panic!("{:?}", answers[0])
+    };
+    let before = calls(&mut conn, &counted).await;
+    backend
+        .complete(other, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("complete");
+    let after = calls(&mut conn, &counted).await;
+    let sent: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    // (The SET is the function's own write: commandstats counts calls made inside it too.)
+    assert_eq!(sent, [0, 0, 1, 1, 0], "{counted:?} of a complete");
+
     let before = calls(&mut conn, &counted).await;
     let replay = backend.claim(&claim(&lease.key, "v")).await.expect("claim");
     assert_eq!(replay, ClaimOutcome::Completed(Bytes::from_static(b"ok")));
     let after = calls(&mut conn, &counted).await;
     assert_eq!(after[0] - before[0], 0, "a replay runs no script");
+    assert_eq!(after[3] - before[3], 0, "a replay calls no function");
 }
 
 async fn server_now(conn: &mut impl ConnectionLike) -> u64 {
