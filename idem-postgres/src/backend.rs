@@ -522,6 +522,8 @@ impl Backend for PgBackend {
     }
 
     async fn purge_expired(&self) -> Result<u64> {
+        let waiters = sqlx::query(self.sql.purge_waiters.sql()).execute(&self.pool);
+        self.timed("purge waiters", waiters).await?;
         let mut purged = 0;
         loop {
             let query = sqlx::query(self.sql.purge.sql()).bind(self.purge_batch);
@@ -545,7 +547,10 @@ impl Backend for PgBackend {
 
     async fn watch(&self, key: &Key) -> Watch {
         let feed = self.feed.get_or_init(|| self.feed());
-        feed.watch(self.topic(key), self.timeout).await
+        // Listen first, then say so: a settle after the row commits is notified.
+        let watch = feed.watch(self.topic(key), self.timeout).await;
+        self.register_waiter(key).await;
+        watch
     }
 
     fn capabilities(&self) -> Capabilities {

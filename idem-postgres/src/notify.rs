@@ -1,7 +1,10 @@
-//! Waking waiters ([`Backend::watch`](idem_core::Backend::watch)): triggers on the records
-//! table (`migrations/0003_settled_notify.sql`) notify the channel `idem_settled` at the
-//! commit of every settle, and one `LISTEN` connection per backend (taken from its pool)
+//! Waking waiters ([`Backend::watch`](idem_core::Backend::watch)): a watch records its key
+//! in `idem_waiters`, triggers on the records table (`migrations/0003_settled_notify.sql`,
+//! `0004_notify_only_waiters.sql`) notify the channel `idem_settled` at the commit of a
+//! settle of such a key, and one `LISTEN` connection per backend (taken from its pool)
 //! forwards the settled keys to the waiters in process.
+
+use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use idem_core::Key;
@@ -14,7 +17,22 @@ use crate::error::{map, within};
 /// The channel the triggers notify.
 const CHANNEL: &str = "idem_settled";
 
+/// How long a watch's row keeps its key notified: a wait longer than this polls.
+const WAITER_HORIZON: Duration = Duration::from_secs(600);
+
 impl PgBackend {
+    /// Records a waiter on `key`, so that its settles notify. A failure only costs the
+    /// waiter its notification (it polls), so it is logged, not returned.
+    pub(crate) async fn register_waiter(&self, key: &Key) {
+        let query = sqlx::query(self.sql.wait.sql())
+            .bind(key.namespace())
+            .bind(key.id())
+            .bind(i64::try_from(WAITER_HORIZON.as_millis()).unwrap_or(i64::MAX));
+        if let Err(e) = self.timed("watch", query.execute(&self.pool)).await {
+            tracing::warn!(error = %e, %key, "could not record a waiter: the wait polls");
+        }
+    }
+
     /// The payload the triggers send for `key` in this backend's schema.
     pub(crate) fn topic(&self, key: &Key) -> String {
         let (schema, ns) = (self.schema(), key.namespace());

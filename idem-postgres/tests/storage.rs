@@ -8,6 +8,7 @@
 //!   handlers still plan with the server's own settings.
 //! - So do batch settles and batch transactions: they read the rows of their own keys, not
 //!   every live record through the expiry index.
+//! - A settle notifies waiters only for keys someone watches.
 
 mod common;
 
@@ -350,4 +351,41 @@ async fn a_fresh_keys_claim_runs_the_insert_alone() {
         d[0] >= 2 && d[1..] == [0, 1],
         "a claim of an existing key: {d:?}"
     );
+}
+
+/// A settle notifies only keys someone watches: a notifying commit takes a database-wide
+/// lock until it has flushed, so notifying every settle serialised every complete. The
+/// settles of an unwatched and then a watched key reach a listener in commit order; the
+/// first notification is the watched key's.
+#[tokio::test]
+async fn only_watched_keys_are_notified_when_settled() {
+    let backend = common::backend().await;
+    let mut listener = sqlx::postgres::PgListener::connect_with(backend.pool())
+        .await
+        .expect("listen connection");
+    listener.listen("idem_settled").await.expect("LISTEN");
+    let unwatched = acquire(&backend, &claim("unwatched", RETENTION)).await;
+    let watched = acquire(&backend, &claim("watched", RETENTION)).await;
+    let _watch = backend.watch(&watched.key).await;
+    for lease in [&unwatched, &watched] {
+        backend
+            .complete(lease, Bytes::from_static(b"r"), RETENTION)
+            .await
+            .expect("complete");
+    }
+    let first = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+        .await
+        .expect("a notification within 10 s")
+        .expect("a notification");
+    assert!(
+        first.payload().ends_with(":ns:watched"),
+        "first notification: {}",
+        first.payload()
+    );
+    let waiters = format!("SELECT count(*) FROM \"{}\".idem_waiters", backend.schema());
+    let rows: i64 = sqlx::query_scalar(AssertSqlSafe(waiters))
+        .fetch_one(backend.pool())
+        .await
+        .expect("count waiters");
+    assert_eq!(rows, 1, "one waiter row, for the watched key");
 }

@@ -1,0 +1,2 @@
+-- Waiter rows past their time (see wait.sql).
+DELETE FROM {schema}.idem_waiters WHERE until <= now()
