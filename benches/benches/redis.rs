@@ -4,22 +4,32 @@
 //! against 128 pipelined `SET NX PX` then 128 pipelined `SET`, and batched claims against
 //! unpipelined `SET`. Throughput is messages (or raw cycles) per second; after each case
 //! the server's CPU time per message and each command's calls per message and time per
-//! call (a script's nested commands are counted in its own time too).
+//! call (a script's nested commands are counted in its own time too, and so are the
+//! commands an `EXEC` runs in its).
+//!
+//! `design_watch_multi` measures a design the backend does not use (issue 18): a complete
+//! by `WATCH`/`GET`, a prefix check on the client, then `MULTI`/`SET`/`PUBLISH`/`EXEC`, on
+//! a connection of each worker's own (watches are connection state), with the claim on
+//! it too or (`design_watch_multi_claim_shared`) on the shared connection, as the backend
+//! claims; `raw_set_nx_px_then_set_conns` is the raw cycle on such connections. Before it
+//! runs, a takeover between the `GET` and the `EXEC` is checked to fail the `EXEC`. The
+//! single-key cases also print the server's time per message summed over the top-level
+//! calls, and a summary of them against the raw cycle at the end.
 //!
 //! `IDEM_REDIS_URL=redis://127.0.0.1:6379/ cargo bench -p benches --bench redis`
 //! Without `IDEM_REDIS_URL` it prints one line and skips.
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
 use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Settlement};
 use idem_redis::{RedisBackend, RedisConfig};
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionManager, MultiplexedConnection};
 
 /// Tasks issuing requests at once, for the backend and the raw baselines alike.
 const CONCURRENCY: u64 = 16;
@@ -109,6 +119,40 @@ where
     start.elapsed()
 }
 
+/// As [`spread`], but each task owns one of `conns` (one per task) and passes it to every
+/// call it makes: per-connection state (a `WATCH`) then belongs to one task at a time.
+async fn spread_conns<C, F, Fut>(iters: u64, conns: Vec<C>, op: F) -> Duration
+where
+    C: Clone + Send + 'static,
+    F: Fn(C, u64) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    assert_eq!(conns.len() as u64, CONCURRENCY);
+    let op = Arc::new(op);
+    let next = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .map(|conn| {
+            let (op, next) = (Arc::clone(&op), Arc::clone(&next));
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= iters {
+                        break;
+                    }
+                    op(conn.clone(), i).await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("task");
+    }
+    ELEMENTS.fetch_add(iters, Ordering::Relaxed);
+    start.elapsed()
+}
+
 /// What the server reports: per command `(calls, usec)`, and its CPU seconds so far; and
 /// the messages done so far.
 struct ServerStats {
@@ -188,6 +232,50 @@ fn print_server(name: &str, before: &ServerStats, after: &ServerStats) {
     println!("{}", line.trim_end_matches(','));
 }
 
+/// Server time per message summed over the top-level calls, by case, for the summary.
+static TOP_LEVEL: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+
+/// Prints (and keeps for the summary) the server's time per message over the top-level
+/// calls: every command's time, less the calls nested in a script or an `EXEC` (whose own
+/// time holds theirs). `nested` gives, per command, how many of its calls per message are
+/// nested; they are taken at the command's mean time per call (a `SET` that is both a
+/// top-level claim and a nested write counts once at the mean of both).
+fn print_top_level(name: &str, before: &ServerStats, after: &ServerStats, nested: &[(&str, f64)]) {
+    let elements = after.elements.saturating_sub(before.elements);
+    if elements == 0 {
+        return; // filtered out of this run
+    }
+    let elements = elements as f64;
+    let mut usec = 0.0;
+    let mut parts = Vec::new();
+    for (cmd, (calls, total)) in &after.commands {
+        let (c0, u0) = before.commands.get(cmd).copied().unwrap_or((0, 0));
+        let (calls, total) = (calls.saturating_sub(c0), total.saturating_sub(u0));
+        if calls <= 1000 || cmd == "info" {
+            continue;
+        }
+        let mean = total as f64 / calls as f64;
+        let nested_per_msg = nested
+            .iter()
+            .find(|(n, _)| n == cmd)
+            .map_or(0.0, |(_, n)| *n);
+        let top_per_msg = calls as f64 / elements - nested_per_msg;
+        if top_per_msg > 0.01 {
+            usec += top_per_msg * mean;
+            parts.push(format!("{cmd} {top_per_msg:.2} x {mean:.2}"));
+        }
+    }
+    parts.sort();
+    println!(
+        "  top-level server time during {name}: {usec:.2} us/msg ({})",
+        parts.join(" + ")
+    );
+    TOP_LEVEL
+        .lock()
+        .expect("lock")
+        .push((name.to_owned(), usec));
+}
+
 /// `g.bench_function(name, f)`, then the server's side of it.
 macro_rules! measured {
     ($g:expr, $stats:expr, $raw:expr, $name:expr, $f:expr) => {{
@@ -195,6 +283,14 @@ macro_rules! measured {
         let before = $stats($raw);
         $g.bench_function(name.clone(), $f);
         print_server(&name, &before, &$stats($raw));
+    }};
+    ($g:expr, $stats:expr, $raw:expr, $name:expr, nested = $nested:expr, $f:expr) => {{
+        let name = $name;
+        let before = $stats($raw);
+        $g.bench_function(name.clone(), $f);
+        let after = $stats($raw);
+        print_server(&name, &before, &after);
+        print_top_level(&name, &before, &after, &$nested);
     }};
 }
 
@@ -230,6 +326,7 @@ fn redis_benches(c: &mut Criterion) {
         stats,
         &raw,
         String::from("raw_set_nx_px_then_set"),
+        nested = [],
         |b| {
             b.to_async(&rt).iter_custom(|iters| {
                 let (raw, ids) = (raw.clone(), Arc::clone(&ids));
@@ -278,26 +375,138 @@ fn redis_benches(c: &mut Criterion) {
         })
     });
 
-    measured!(g, stats, &raw, String::from("claim_complete"), |b| {
-        b.to_async(&rt).iter_custom(|iters| {
-            let (backend, ids, response) = (backend.clone(), Arc::clone(&ids), response.clone());
-            let base = ids.take(iters);
-            spread(iters, 1, move |i| {
-                let (backend, c, response) =
-                    (backend.clone(), claim(ids.key(base + i)), response.clone());
-                async move {
-                    let ClaimOutcome::Acquired(lease) = backend.claim(&c).await.expect("claim")
-                    else {
-                        panic!("fresh key not acquired");
-                    };
-                    backend
-                        .complete(&lease, response, RETENTION)
-                        .await
-                        .expect("complete");
-                }
+    measured!(
+        g,
+        stats,
+        &raw,
+        String::from("claim_complete"),
+        nested = [("set", 1.0), ("get", 1.0), ("publish", 1.0)],
+        |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (backend, ids, response) =
+                    (backend.clone(), Arc::clone(&ids), response.clone());
+                let base = ids.take(iters);
+                spread(iters, 1, move |i| {
+                    let (backend, c, response) =
+                        (backend.clone(), claim(ids.key(base + i)), response.clone());
+                    async move {
+                        let ClaimOutcome::Acquired(lease) = backend.claim(&c).await.expect("claim")
+                        else {
+                            panic!("fresh key not acquired");
+                        };
+                        backend
+                            .complete(&lease, response, RETENTION)
+                            .await
+                            .expect("complete");
+                    }
+                })
             })
+        }
+    );
+
+    // The WATCH/MULTI design of a fenced complete (issue 18), on a connection per worker.
+    let conns: Vec<MultiplexedConnection> = rt
+        .block_on(async {
+            let client = redis::Client::open(url.as_str())?;
+            let mut conns = Vec::new();
+            for _ in 0..CONCURRENCY {
+                conns.push(client.get_multiplexed_async_connection().await?);
+            }
+            redis::RedisResult::Ok(conns)
         })
-    });
+        .expect("connect one connection per worker");
+    measured!(
+        g,
+        stats,
+        &raw,
+        String::from("raw_set_nx_px_then_set_conns"),
+        nested = [],
+        |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let ids = Arc::clone(&ids);
+                let base = ids.take(iters);
+                spread_conns(iters, conns.clone(), move |mut conn, i| {
+                    let key = ids.raw(base + i);
+                    async move {
+                        let set: Option<String> = redis::cmd("SET")
+                            .arg(&key)
+                            .arg("processing")
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(px)
+                            .query_async(&mut conn)
+                            .await
+                            .expect("SET NX PX");
+                        assert!(set.is_some(), "fresh key taken");
+                        let _: () = redis::cmd("SET")
+                            .arg(&key)
+                            .arg("completed")
+                            .arg("PX")
+                            .arg(px)
+                            .query_async(&mut conn)
+                            .await
+                            .expect("SET");
+                    }
+                })
+            })
+        }
+    );
+
+    rt.block_on(watch_multi::fences(conns[0].clone(), raw.clone(), &ids));
+    measured!(
+        g,
+        stats,
+        &raw,
+        String::from("design_watch_multi"),
+        nested = [("set", 1.0), ("publish", 1.0)],
+        |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (ids, response) = (Arc::clone(&ids), response.clone());
+                let base = ids.take(iters);
+                spread_conns(iters, conns.clone(), move |mut conn, i| {
+                    let (key, response) = (watch_multi::key(&ids, base + i), response.clone());
+                    async move {
+                        let fence = watch_multi::claim(&mut conn, &key).await;
+                        let done =
+                            watch_multi::complete(&mut conn, &key, &fence, &response, px).await;
+                        assert!(done, "fresh lease fenced");
+                    }
+                })
+            })
+        }
+    );
+    // The same, with the claim on the shared connection (as the backend claims) and only
+    // the complete on the worker's own: what a backend with a pool for completes would send.
+    measured!(
+        g,
+        stats,
+        &raw,
+        String::from("design_watch_multi_claim_shared"),
+        nested = [("set", 1.0), ("publish", 1.0)],
+        |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (ids, response, raw) = (Arc::clone(&ids), response.clone(), raw.clone());
+                let base = ids.take(iters);
+                spread_conns(iters, conns.clone(), move |mut conn, i| {
+                    let (key, response, mut raw) = (
+                        watch_multi::key(&ids, base + i),
+                        response.clone(),
+                        raw.clone(),
+                    );
+                    async move {
+                        let fence = watch_multi::claim(&mut raw, &key).await;
+                        let done =
+                            watch_multi::complete(&mut conn, &key, &fence, &response, px).await;
+                        assert!(done, "fresh lease fenced");
+                    }
+                })
+            })
+        }
+    );
+    let retries = watch_multi::RETRIES.load(Ordering::Relaxed);
+    if retries > 0 {
+        println!("  design_watch_multi: {retries} EXEC retries (a nil EXEC, record unchanged)");
+    }
 
     let done = claim(ids.key(ids.take(1)));
     rt.block_on(async {
@@ -466,6 +675,203 @@ fn redis_benches(c: &mut Criterion) {
         });
     }
     g.finish();
+
+    let top = TOP_LEVEL.lock().expect("lock");
+    if let Some((_, raw_usec)) = top.iter().find(|(n, _)| n == "raw_set_nx_px_then_set") {
+        for (name, usec) in top.iter() {
+            println!(
+                "top-level server time per message, {name}: {usec:.2} us, {:.2}x the raw cycle's",
+                usec / raw_usec
+            );
+        }
+    }
+}
+
+/// The `WATCH`/`MULTI` design of a fenced complete, for measuring only (the backend
+/// completes with the settle function). Claim is the backend's fast path: `SET <fresh
+/// record> NX PX … GET` and `PEXPIRETIME` in one round trip. Complete is two round trips
+/// on the worker's own connection: `WATCH key` + `GET key`; the client checks the fencing
+/// prefix and builds the completed record; then `MULTI`, `SET key <record> PX
+/// <retention>`, `PUBLISH <prefix>settled key`, `EXEC`. A nil `EXEC` means the record
+/// changed after the `GET`: read again (a takeover then fails the prefix check).
+mod watch_multi {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
+
+    use super::{Ids, LEASE, RETENTION};
+
+    const OWNER: &str = "bench";
+    const CHANNEL: &str = "idem:settled";
+
+    /// `EXEC`s that came back nil.
+    pub(super) static RETRIES: AtomicU64 = AtomicU64::new(0);
+
+    pub(super) fn key(ids: &Ids, id: u64) -> String {
+        let ns = format!("wm-{}", ids.run);
+        format!("idem:{{{}:{ns}:{id}}}", ns.len())
+    }
+
+    /// `P<token>:<owner length>:<owner>`.
+    fn fence(token: u64) -> Vec<u8> {
+        format!("P{token}:{}:{OWNER}", OWNER.len()).into_bytes()
+    }
+
+    /// The record a fresh claim writes: token 1, a fingerprint, attempts 1, the retention.
+    fn fresh(retention_ms: u64) -> Vec<u8> {
+        let mut out = fence(1);
+        out.push(b'#');
+        out.extend_from_slice(&idem_core::Fingerprint::of(b"payload").0);
+        out.extend_from_slice(format!("1:{retention_ms};").as_bytes());
+        out
+    }
+
+    /// The completed record for `value` if it starts with `fence`: `C`, the part up to
+    /// `;` (token, owner, fingerprint, attempts, retention), then the response. `None`
+    /// when fenced.
+    fn completed(value: &[u8], fence: &[u8], response: &[u8]) -> Option<Vec<u8>> {
+        if !value.starts_with(fence) {
+            return None;
+        }
+        let at = match value.get(fence.len()) {
+            Some(b'-') => fence.len() + 1,
+            Some(b'#') => fence.len() + 33,
+            _ => panic!("corrupt record: bad fingerprint"),
+        };
+        let semi = at
+            + value[at..]
+                .iter()
+                .position(|&b| b == b';')
+                .expect("corrupt record: no ';'");
+        let mut out = Vec::with_capacity(semi + 1 + response.len());
+        out.push(b'C');
+        out.extend_from_slice(&value[1..=semi]);
+        out.extend_from_slice(response);
+        Some(out)
+    }
+
+    /// A claim of a fresh key; the lease's fencing prefix.
+    pub(super) async fn claim(conn: &mut impl ConnectionLike, key: &str) -> Vec<u8> {
+        let retention = RETENTION.as_millis() as u64;
+        let (found, expire): (Option<Vec<u8>>, i64) = redis::pipe()
+            .cmd("SET")
+            .arg(key)
+            .arg(fresh(retention))
+            .arg("NX")
+            .arg("PX")
+            .arg(LEASE.as_millis() as u64 + retention - 1)
+            .arg("GET")
+            .cmd("PEXPIRETIME")
+            .arg(key)
+            .query_async(conn)
+            .await
+            .expect("SET NX PX GET");
+        assert!(found.is_none() && expire > 0, "fresh key taken");
+        fence(1)
+    }
+
+    /// Round trip one: `WATCH key`, `GET key`.
+    async fn watch_get(conn: &mut MultiplexedConnection, key: &str) -> Option<Vec<u8>> {
+        let (value,): (Option<Vec<u8>>,) = redis::pipe()
+            .cmd("WATCH")
+            .arg(key)
+            .ignore()
+            .cmd("GET")
+            .arg(key)
+            .query_async(conn)
+            .await
+            .expect("WATCH, GET");
+        value
+    }
+
+    /// Round trip two: `MULTI`, `SET`, `PUBLISH`, `EXEC`; false if `EXEC` was refused.
+    async fn write(conn: &mut MultiplexedConnection, key: &str, record: &[u8], px: u64) -> bool {
+        let done: Option<(redis::Value, redis::Value)> = redis::pipe()
+            .atomic()
+            .cmd("SET")
+            .arg(key)
+            .arg(record)
+            .arg("PX")
+            .arg(px)
+            .cmd("PUBLISH")
+            .arg(CHANNEL)
+            .arg(key)
+            .query_async(conn)
+            .await
+            .expect("MULTI, SET, PUBLISH, EXEC");
+        done.is_some()
+    }
+
+    /// The complete: true if done, false if fenced.
+    pub(super) async fn complete(
+        conn: &mut MultiplexedConnection,
+        key: &str,
+        fence: &[u8],
+        response: &[u8],
+        px: u64,
+    ) -> bool {
+        loop {
+            let record = watch_get(conn, key)
+                .await
+                .and_then(|v| completed(&v, fence, response));
+            let Some(record) = record else {
+                // Fenced: drop the watch, or it would fail this connection's next EXEC.
+                let _: () = redis::cmd("UNWATCH")
+                    .query_async(conn)
+                    .await
+                    .expect("UNWATCH");
+                return false;
+            };
+            if write(conn, key, &record, px).await {
+                return true;
+            }
+            RETRIES.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The contract, checked once before measuring: a takeover between the `GET` and the
+    /// `EXEC` fails the `EXEC`, so the stale complete never lands, and the retry answers
+    /// fenced; the holder's own complete lands.
+    pub(super) async fn fences(
+        mut conn: MultiplexedConnection,
+        mut other: ConnectionManager,
+        ids: &Ids,
+    ) {
+        let px = RETENTION.as_millis() as u64;
+        let key = key(ids, ids.take(1));
+        let lease = claim(&mut conn, &key).await;
+        let value = watch_get(&mut conn, &key).await.expect("claimed");
+        let stale = completed(&value, &lease, b"stale").expect("held");
+        // Another worker takes the lapsed lease over: token 2, same owner.
+        let mut taken = b"P2".to_vec();
+        taken.extend_from_slice(&value[2..]);
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg(&taken)
+            .arg("KEEPTTL")
+            .query_async(&mut other)
+            .await
+            .expect("takeover");
+        assert!(
+            !write(&mut conn, &key, &stale, px).await,
+            "EXEC not refused"
+        );
+        let now: Vec<u8> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut other)
+            .await
+            .expect("GET");
+        assert_eq!(now, taken, "the stale complete landed");
+        assert!(!complete(&mut conn, &key, &lease, b"stale", px).await);
+        assert!(complete(&mut conn, &key, &fence(2), b"ok", px).await);
+        let now: Vec<u8> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut other)
+            .await
+            .expect("GET");
+        assert!(now.starts_with(b"C2:5:bench#") && now.ends_with(b";ok"));
+        RETRIES.store(0, Ordering::Relaxed);
+    }
 }
 
 criterion_group! {
