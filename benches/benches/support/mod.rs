@@ -84,6 +84,9 @@ impl Probe for Timing {
         match point {
             Point::BeforeClaim => {
                 let mut first = self.first.lock().unwrap_or_else(|e| e.into_inner());
+                if first.is_none() {
+                    callgrind(true);
+                }
                 first.get_or_insert_with(Instant::now);
             }
             Point::AfterSettle if self.settled.fetch_add(1, Ordering::Relaxed) + 1 == self.n => {
@@ -92,6 +95,33 @@ impl Probe for Timing {
             _ => {}
         }
         Verdict::Continue
+    }
+}
+
+/// Under `valgrind --tool=callgrind --instr-atstart=no` with `IDEM_CALLGRIND=1` set:
+/// `true` switches instrumentation on (at a loop's first message), `false` dumps what was
+/// counted since and switches it off (at its `n`-th), so a profile holds the loop alone.
+/// Does nothing otherwise.
+pub fn callgrind(on: bool) {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ENABLED.get_or_init(|| std::env::var_os("IDEM_CALLGRIND").is_some()) {
+        return;
+    }
+    let pid = std::process::id().to_string();
+    let steps: &[&str] = if on { &["-i", "on"] } else { &["-d"] };
+    let status = std::process::Command::new("callgrind_control")
+        .args(steps)
+        .arg(&pid)
+        .stdout(std::process::Stdio::null())
+        .status();
+    if !status.as_ref().is_ok_and(|s| s.success()) {
+        eprintln!("callgrind_control {steps:?} failed: {status:?}");
+    }
+    if !on {
+        let _ = std::process::Command::new("callgrind_control")
+            .args(["-i", "off", &pid])
+            .stdout(std::process::Stdio::null())
+            .status();
     }
 }
 
