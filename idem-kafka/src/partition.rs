@@ -61,7 +61,8 @@ pub(crate) struct Item {
 }
 
 enum Kind {
-    Keyed(Claim),
+    /// Its claim is built where it is sent ([`Worker::claim_of`]): no copy of it is kept.
+    Keyed(idem_core::Key),
     Unkeyed,
     Dead(Reason, String),
 }
@@ -226,8 +227,7 @@ impl Worker {
         let (msg, kind) = match s.key_source.extract(&s.namespace, &msg) {
             Extracted::Key(key) => {
                 span.record("key", tracing::field::display(&key));
-                let claim = self.engine.claim_for(&key, msg.payload());
-                (msg.with_key(key), Kind::Keyed(claim))
+                (msg.with_key(key.clone()), Kind::Keyed(key))
             }
             Extracted::Missing => match s.missing_key {
                 MissingKey::DeadLetter => {
@@ -240,6 +240,15 @@ impl Worker {
             Extracted::Malformed(reason) => (msg, Kind::Dead(Reason::MalformedPayload, reason)),
         };
         Item { msg, kind, span }
+    }
+
+    /// The claim of a keyed message (its key, this engine's settings, the payload's
+    /// fingerprint); `None` for a message without a key.
+    fn claim_of(&self, item: &Item) -> Option<Claim> {
+        match &item.kind {
+            Kind::Keyed(key) => Some(self.engine.claim_for(key, item.msg.payload())),
+            _ => None,
+        }
     }
 
     /// Lease mode: one claim for the chunk, the handlers in order, one settle.
@@ -356,13 +365,7 @@ impl Worker {
     /// Claims the keyed messages of `chunk` in one store call, retrying while the store
     /// fails. The answers line up with the chunk (`None` for a message without a claim).
     async fn claim_chunk(&self, chunk: &[Item]) -> Result<Vec<Option<ClaimOutcome>>, Flow> {
-        let claims: Vec<Claim> = chunk
-            .iter()
-            .filter_map(|item| match &item.kind {
-                Kind::Keyed(claim) => Some(claim.clone()),
-                _ => None,
-            })
-            .collect();
+        let claims: Vec<Claim> = chunk.iter().filter_map(|i| self.claim_of(i)).collect();
         let mut answers = if claims.is_empty() {
             Vec::new()
         } else {
@@ -806,7 +809,7 @@ impl Worker {
     /// One attempt at one message: claim, run and settle it alone (lease mode), or run it
     /// in a transaction of its own (transactional mode).
     async fn attempt(&self, item: &Item) -> Result<idem_core::Result<Outcome>, Flow> {
-        let Kind::Keyed(claim) = &item.kind else {
+        let Some(claim) = self.claim_of(item) else {
             return Ok(Err(idem_core::Error::corrupt(
                 "a keyless message has no claim",
             )));
@@ -822,7 +825,7 @@ impl Worker {
             let hook = self.tx_hook();
             let _permit = self.handler_permit().await?;
             let run = tx.run(
-                claim,
+                &claim,
                 self.engine.retention(),
                 at.as_ref(),
                 item.msg.clone(),
@@ -834,7 +837,7 @@ impl Worker {
         let mut backoff = self.backoff();
         let answer = loop {
             match self
-                .guarded(self.engine.claim_many(std::slice::from_ref(claim)))
+                .guarded(self.engine.claim_many(std::slice::from_ref(&claim)))
                 .await?
             {
                 Ok(mut answers) => break answers.pop(),
@@ -888,13 +891,7 @@ impl Worker {
             if self.probe(Point::BeforeClaim, run[0].msg.offset()) {
                 return Flow::Dead;
             }
-            let claims: Vec<Claim> = run
-                .iter()
-                .filter_map(|item| match &item.kind {
-                    Kind::Keyed(claim) => Some(claim.clone()),
-                    _ => None,
-                })
-                .collect();
+            let claims: Vec<Claim> = run.iter().filter_map(|i| self.claim_of(i)).collect();
             let positions: Vec<OffsetPosition> =
                 run.iter().map(|item| self.position(&item.msg)).collect();
             let pick: crate::tx::PickOffset = Box::new(move |outcomes| {
