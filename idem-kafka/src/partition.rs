@@ -216,19 +216,8 @@ impl Worker {
     /// The key of a message, or why it has none usable.
     fn key(&self, msg: Message) -> Item {
         let s = &self.shared.settings;
-        let span = tracing::info_span!(
-            "idem_kafka.message",
-            topic = %self.state.topic,
-            partition = self.state.partition,
-            offset = msg.offset(),
-            key = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-        );
         let (msg, kind) = match s.key_source.extract(&s.namespace, &msg) {
-            Extracted::Key(key) => {
-                span.record("key", tracing::field::display(&key));
-                (msg.with_key(key.clone()), Kind::Keyed(key))
-            }
+            Extracted::Key(key) => (msg.with_key(key.clone()), Kind::Keyed(key)),
             Extracted::Missing => match s.missing_key {
                 MissingKey::DeadLetter => {
                     let why = format!("no idempotency key ({:?})", s.key_source);
@@ -239,6 +228,16 @@ impl Worker {
             Extracted::Invalid(reason) => (msg, Kind::Dead(Reason::InvalidKey, reason)),
             Extracted::Malformed(reason) => (msg, Kind::Dead(Reason::MalformedPayload, reason)),
         };
+        // The key is a field from the start: no `record` per message, and nothing is
+        // formatted while no subscriber wants the span.
+        let span = tracing::info_span!(
+            "idem_kafka.message",
+            topic = %self.state.topic,
+            partition = self.state.partition,
+            offset = msg.offset(),
+            key = msg.key().map(tracing::field::display),
+            outcome = tracing::field::Empty,
+        );
         Item { msg, kind, span }
     }
 
@@ -716,6 +715,15 @@ impl Worker {
     /// A permit to run one handler: at most `in_flight` run at once in a partition. `Stop`
     /// if the partition is given up while waiting: no handler starts after that.
     async fn handler_permit(&self) -> Result<InFlight<'_>, Flow> {
+        // One handler at a time: the partition's single permit would always be free here
+        // (handlers run in turn), so none is taken.
+        if self.shared.settings.in_flight == 1 {
+            self.counters.in_flight.increment(1.0);
+            return Ok(InFlight {
+                _permit: None,
+                gauge: &self.counters.in_flight,
+            });
+        }
         let permit = tokio::select! {
             biased;
             p = self.permits.acquire() => p,
