@@ -82,7 +82,7 @@ impl IdemConsumer {
             dead_letters,
             permits,
             budget: Budget::new(settings.max_bytes),
-            workers: Mutex::new(HashMap::new()),
+            workers: Mutex::new(Workers::default()),
             consumer: OnceLock::new(),
             dead: CancellationToken::new(),
             gate: Mutex::new(()),
@@ -148,6 +148,10 @@ impl Drop for CrashOnDrop {
     }
 }
 
+/// The partition workers, looked up once per message by the poll thread: a fast hash (the
+/// keys are the consumer's own assignment, not outside data).
+type Workers = HashMap<Tp, WorkerHandle, foldhash::fast::RandomState>;
+
 /// State shared by the poll thread, the rebalance callbacks and the partition workers.
 pub(crate) struct Shared {
     pub settings: Settings,
@@ -156,7 +160,7 @@ pub(crate) struct Shared {
     pub permits: Option<Arc<Semaphore>>,
     /// The bytes of fetched messages held, across partitions, and their bound.
     pub budget: Arc<Budget>,
-    workers: Mutex<HashMap<Tp, WorkerHandle>>,
+    workers: Mutex<Workers>,
     consumer: OnceLock<Weak<BaseConsumer<LoopContext>>>,
     /// Cancelled at a crash: nothing is stored or committed after it.
     pub dead: CancellationToken,
@@ -168,7 +172,7 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn lock_workers(&self) -> MutexGuard<'_, HashMap<Tp, WorkerHandle>> {
+    fn lock_workers(&self) -> MutexGuard<'_, Workers> {
         self.workers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
