@@ -404,10 +404,6 @@ impl Worker {
             let offset = item.msg.offset();
             running.poll_with(move || self.probe(Point::AfterEffect, offset))
         };
-        let run = self
-            .engine
-            .run_leased(lease, start)
-            .instrument(item.span.clone());
         let _permit = match self.handler_permit().await {
             Ok(permit) => permit,
             Err(flow) => {
@@ -421,7 +417,12 @@ impl Worker {
                 return Err(flow);
             }
         };
-        let result = self.guarded(run).await;
+        // Pinned where it is made: the handler's future is not moved again on its way in.
+        let result = {
+            let run = self.engine.run_leased(lease, start);
+            let run = std::pin::pin!(run.instrument(item.span.clone()));
+            self.guarded(run).await
+        };
         if let (Err(Flow::Stop), Some(slot)) = (&result, &slot) {
             slot.detach(&self.shared.runtime, item.span.clone());
         }
