@@ -113,7 +113,7 @@ async fn bare(brokers: &str, topic: &str, n: usize) -> Duration {
     for _ in 0..n {
         let m = consumer.recv().await.expect("message");
         if first.is_none() {
-            support::callgrind(true);
+            support::window(true);
         }
         first.get_or_insert_with(Instant::now);
         std::hint::black_box(handle(header_key(&m)));
@@ -124,7 +124,7 @@ async fn bare(brokers: &str, topic: &str, n: usize) -> Duration {
         }
     }
     let took = first.map_or(Duration::ZERO, |t| t.elapsed());
-    support::callgrind(false);
+    support::window(false);
     let _ = consumer.commit_consumer_state(CommitMode::Sync);
     took
 }
@@ -310,7 +310,7 @@ impl<'c> HandLoop<'c> {
         }
         let batch = poll_batch(self.consumer).await;
         if self.first.is_none() {
-            support::callgrind(true);
+            support::window(true);
         }
         self.first.get_or_insert_with(Instant::now);
         Some(batch)
@@ -329,7 +329,7 @@ impl<'c> HandLoop<'c> {
 
     fn finish(self) -> Duration {
         let took = self.first.map_or(Duration::ZERO, |t| t.elapsed());
-        support::callgrind(false);
+        support::window(false);
         let _ = self.consumer.commit_consumer_state(CommitMode::Sync);
         took
     }
@@ -459,7 +459,7 @@ async fn idem(brokers: &str, topic: &str, n: usize, mode: Idem) -> Duration {
     let task = tokio::spawn(consumer.run());
     timing.done.notified().await;
     let end = Instant::now();
-    support::callgrind(false);
+    support::window(false);
     let first = timing.first(end);
     stop.cancel();
     task.await.expect("task").expect("run");
@@ -753,7 +753,8 @@ fn kafka(c: &mut Criterion) {
 /// `dedup_memory` or `idem_memory` (and `IDEM_KAFKA_PROFILE_N` messages, default all),
 /// for a profiler. Under `valgrind --tool=callgrind --collect-atstart=no`, with
 /// `IDEM_CALLGRIND=1`, collection runs from the first message to the `n`-th only
-/// ([`support::callgrind`]), so the counts divided by `n` are the cost per message.
+/// ([`support::window`]), so the counts divided by `n` are the cost per message; it also
+/// prints the CPU time of the process's threads in that window, per message.
 fn profile(which: &str) {
     let n = std::env::var("IDEM_KAFKA_PROFILE_N")
         .ok()
@@ -782,8 +783,9 @@ fn profile(which: &str) {
         }
     });
     println!(
-        "{which}: {n} messages in {took:?}, {:.0} msg/s",
-        n as f64 / took.as_secs_f64().max(1e-9)
+        "{which}: {n} messages in {took:?}, {:.0} msg/s, {:.0} ns of CPU per message",
+        n as f64 / took.as_secs_f64().max(1e-9),
+        support::window_cpu() as f64 / n as f64
     );
 }
 
