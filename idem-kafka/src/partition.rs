@@ -61,8 +61,9 @@ pub(crate) struct Item {
 }
 
 enum Kind {
-    /// Its claim is built where it is sent ([`Worker::claim_of`]): no copy of it is kept.
-    Keyed(idem_core::Key),
+    /// The key and the payload's fingerprint, hashed as the batch is keyed; the claim is
+    /// built where it is sent ([`Worker::claim_of`]), so no copy of it is kept.
+    Keyed(idem_core::Key, Option<idem_core::Fingerprint>),
     Unkeyed,
     Dead(Reason, String),
 }
@@ -217,7 +218,10 @@ impl Worker {
     fn key(&self, msg: Message) -> Item {
         let s = &self.shared.settings;
         let (msg, kind) = match s.key_source.extract(&s.namespace, &msg) {
-            Extracted::Key(key) => (msg.with_key(key.clone()), Kind::Keyed(key)),
+            Extracted::Key(key) => {
+                let fingerprint = self.engine.fingerprint_of(msg.payload());
+                (msg.with_key(key.clone()), Kind::Keyed(key, fingerprint))
+            }
             Extracted::Missing => match s.missing_key {
                 MissingKey::DeadLetter => {
                     let why = format!("no idempotency key ({:?})", s.key_source);
@@ -245,7 +249,7 @@ impl Worker {
     /// fingerprint); `None` for a message without a key.
     fn claim_of(&self, item: &Item) -> Option<Claim> {
         match &item.kind {
-            Kind::Keyed(key) => Some(self.engine.claim_for(key, item.msg.payload())),
+            Kind::Keyed(key, fingerprint) => Some(self.engine.claim_with(key, *fingerprint)),
             _ => None,
         }
     }
@@ -271,7 +275,7 @@ impl Worker {
             }
             let answer = answers[index].take();
             let flow = match (&item.kind, answer) {
-                (Kind::Keyed(_), Some(ClaimOutcome::Acquired(lease))) => {
+                (Kind::Keyed(..), Some(ClaimOutcome::Acquired(lease))) => {
                     match self.run_handler(item, &lease).await {
                         Err(flow) => Some(flow),
                         Ok(Ran::Settle(done @ Settle::Complete(_))) => {
@@ -306,12 +310,12 @@ impl Worker {
                         }
                     }
                 }
-                (Kind::Keyed(_), Some(ClaimOutcome::Completed(_))) => {
+                (Kind::Keyed(..), Some(ClaimOutcome::Completed(_))) => {
                     self.counters.replayed.increment(1);
                     item.span.record("outcome", "replayed");
                     None
                 }
-                (Kind::Keyed(_), other) => {
+                (Kind::Keyed(..), other) => {
                     // A key busy elsewhere (or earlier in this chunk), poisoned or mismatched.
                     let flow = self
                         .settle_before(chunk, &mut pending, &mut settled_to, index)
@@ -381,7 +385,7 @@ impl Worker {
         Ok(chunk
             .iter()
             .map(|item| match item.kind {
-                Kind::Keyed(_) => answers.next(),
+                Kind::Keyed(..) => answers.next(),
                 _ => None,
             })
             .collect())
@@ -632,7 +636,7 @@ impl Worker {
             let item = &chunk[i];
             let answer = shared.answers.lock().unwrap_or_else(|e| e.into_inner())[i].take();
             let flow = match (&item.kind, answer) {
-                (Kind::Keyed(_), Some(ClaimOutcome::Acquired(lease))) => {
+                (Kind::Keyed(..), Some(ClaimOutcome::Acquired(lease))) => {
                     match self.run_handler(item, &lease).await {
                         Err(flow) => flow,
                         Ok(Ran::Settle(settle)) => {
@@ -650,12 +654,12 @@ impl Worker {
                         Ok(Ran::Fenced) => self.resolve(item, Some(Ok(Outcome::Fenced))).await,
                     }
                 }
-                (Kind::Keyed(_), Some(ClaimOutcome::Completed(_))) => {
+                (Kind::Keyed(..), Some(ClaimOutcome::Completed(_))) => {
                     self.counters.replayed.increment(1);
                     item.span.record("outcome", "replayed");
                     Flow::Go
                 }
-                (Kind::Keyed(_), other) => {
+                (Kind::Keyed(..), other) => {
                     let first = other
                         .and_then(|a| Engine::lease_or_outcome(a).err())
                         .map(Ok);
@@ -882,7 +886,7 @@ impl Worker {
         while start < chunk.len() {
             let keyed = chunk[start..]
                 .iter()
-                .take_while(|item| matches!(item.kind, Kind::Keyed(_)))
+                .take_while(|item| matches!(item.kind, Kind::Keyed(..)))
                 .count();
             if keyed == 0 {
                 let flow = self.process_one_by_one(&chunk[start..=start]).await;
@@ -965,7 +969,7 @@ impl Worker {
                 return flow;
             }
             let flow = match &item.kind {
-                Kind::Keyed(_) => self.resolve(item, None).await,
+                Kind::Keyed(..) => self.resolve(item, None).await,
                 Kind::Unkeyed => self.run_unkeyed(item).await,
                 Kind::Dead(reason, error) => self.dead_letter(item, *reason, error, 0).await,
             };
