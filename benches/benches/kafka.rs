@@ -33,11 +33,13 @@
 mod one_per_tx;
 mod support;
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, SamplingMode, Throughput, criterion_group};
 use futures::FutureExt;
 use idem_core::{Backend, Engine, MemoryBackend};
 use idem_kafka::IdemConsumer;
@@ -110,6 +112,9 @@ async fn bare(brokers: &str, topic: &str, n: usize) -> Duration {
     let mut last_commit = Instant::now();
     for _ in 0..n {
         let m = consumer.recv().await.expect("message");
+        if first.is_none() {
+            support::window(true);
+        }
         first.get_or_insert_with(Instant::now);
         std::hint::black_box(handle(header_key(&m)));
         consumer.store_offset_from_message(&m).expect("store");
@@ -119,6 +124,7 @@ async fn bare(brokers: &str, topic: &str, n: usize) -> Duration {
         }
     }
     let took = first.map_or(Duration::ZERO, |t| t.elapsed());
+    support::window(false);
     let _ = consumer.commit_consumer_state(CommitMode::Sync);
     took
 }
@@ -220,6 +226,47 @@ async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Durati
     frame.finish()
 }
 
+/// The hand-written loop with an in-memory record per key, the cheapest design that keeps
+/// one: per message of a poll batch, an insert-if-absent of its key into a `HashMap` (a
+/// fresh map per iteration, so fresh keys), the handler for a new key, then its result
+/// stored under the key; the batch's offsets stored as in every hand-written loop. No
+/// leases, fencing, attempts, payload check or crash safety: the ceiling for idem on its
+/// in-memory store. Returns the time from the first message to the `n`-th.
+async fn dedup_memory(brokers: &str, topic: &str, n: usize) -> Duration {
+    let consumer = stream_consumer(brokers, topic, "dedupmem");
+    let records: Mutex<HashMap<Vec<u8>, Option<Bytes>>> = Mutex::new(HashMap::new());
+    let mut frame = HandLoop::new(&consumer, n);
+    while let Some(batch) = frame.next().await {
+        for m in &batch {
+            let key = header_key(m).unwrap_or_default();
+            let new = match records
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(key.to_vec())
+            {
+                Entry::Vacant(slot) => {
+                    slot.insert(None);
+                    true
+                }
+                Entry::Occupied(_) => false,
+            };
+            if new {
+                let result = handle(Some(key));
+                if let Some(slot) = records
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_mut(key)
+                {
+                    *slot = Some(result);
+                }
+            }
+        }
+        frame.done(&batch);
+    }
+    std::hint::black_box(&records);
+    frame.finish()
+}
+
 /// The batch's idempotency keys, prefixed by `run` so that every iteration's are fresh.
 fn run_keys(run: &str, batch: &[BorrowedMessage<'_>]) -> Vec<String> {
     batch
@@ -262,6 +309,9 @@ impl<'c> HandLoop<'c> {
             return None;
         }
         let batch = poll_batch(self.consumer).await;
+        if self.first.is_none() {
+            support::window(true);
+        }
         self.first.get_or_insert_with(Instant::now);
         Some(batch)
     }
@@ -279,6 +329,7 @@ impl<'c> HandLoop<'c> {
 
     fn finish(self) -> Duration {
         let took = self.first.map_or(Duration::ZERO, |t| t.elapsed());
+        support::window(false);
         let _ = self.consumer.commit_consumer_state(CommitMode::Sync);
         took
     }
@@ -408,6 +459,7 @@ async fn idem(brokers: &str, topic: &str, n: usize, mode: Idem) -> Duration {
     let task = tokio::spawn(consumer.run());
     timing.done.notified().await;
     let end = Instant::now();
+    support::window(false);
     let first = timing.first(end);
     stop.cancel();
     task.await.expect("task").expect("run");
@@ -560,6 +612,11 @@ fn on_broker(
         async move { bare(&b, &t, MESSAGES).await }.boxed()
     });
     let go = at.clone();
+    case("dedup_memory", MESSAGES, &move || {
+        let (b, t) = go();
+        async move { dedup_memory(&b, &t, MESSAGES).await }.boxed()
+    });
+    let go = at.clone();
     case("idem_memory", MESSAGES, &move || {
         let (b, t) = go();
         let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new());
@@ -633,26 +690,32 @@ fn summary() {
         println!("\nkafka loop on {broker} (medians, messages/s):");
         println!("| loop | msg/s | ÷ its ceiling |");
         println!("|---|---|---|");
-        for (which, ceiling) in [
-            ("bare", ""),
-            ("idem_memory", "bare"),
-            ("dedup_redis", ""),
-            ("idem_redis", "dedup_redis"),
-            ("dedup_postgres", ""),
-            ("idem_postgres", "dedup_postgres"),
-            ("tx_postgres", ""),
-            ("tx_postgres_records", "tx_postgres"),
-            ("idem_postgres_transactional", "tx_postgres"),
-            ("idem_postgres_one_per_tx", "tx_postgres"),
-        ] {
+        let rows: [(&str, &[&str]); 11] = [
+            ("bare", &[]),
+            ("dedup_memory", &["bare"]),
+            ("idem_memory", &["bare", "dedup_memory"]),
+            ("dedup_redis", &[]),
+            ("idem_redis", &["dedup_redis"]),
+            ("dedup_postgres", &[]),
+            ("idem_postgres", &["dedup_postgres"]),
+            ("tx_postgres", &[]),
+            ("tx_postgres_records", &["tx_postgres"]),
+            ("idem_postgres_transactional", &["tx_postgres"]),
+            ("idem_postgres_one_per_tx", &["tx_postgres"]),
+        ];
+        for (which, ceilings) in rows {
             let rate = of(which);
             if rate == 0.0 {
                 continue;
             }
-            let ratio = if ceiling.is_empty() {
+            let ratios: Vec<String> = ceilings
+                .iter()
+                .map(|c| format!("{:.2} × {c}", rate / of(c).max(1e-9)))
+                .collect();
+            let ratio = if ratios.is_empty() {
                 "-".to_owned()
             } else {
-                format!("{:.2} × {ceiling}", rate / of(ceiling).max(1e-9))
+                ratios.join(", ")
             };
             println!("| {which} | {rate:.0} | {ratio} |");
         }
@@ -686,5 +749,52 @@ fn kafka(c: &mut Criterion) {
     summary();
 }
 
+/// One loop, once, on a MockCluster, without Criterion: `IDEM_KAFKA_PROFILE=bare`,
+/// `dedup_memory` or `idem_memory` (and `IDEM_KAFKA_PROFILE_N` messages, default all),
+/// for a profiler. Under `valgrind --tool=callgrind --collect-atstart=no`, with
+/// `IDEM_CALLGRIND=1`, collection runs from the first message to the `n`-th only
+/// ([`support::window`]), so the counts divided by `n` are the cost per message; it also
+/// prints the CPU time of the process's threads in that window, per message.
+fn profile(which: &str) {
+    let n = std::env::var("IDEM_KAFKA_PROFILE_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(MESSAGES)
+        .min(MESSAGES);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    let topic = unique("bench");
+    cluster.create_topic(&topic, PARTITIONS, 1).expect("topic");
+    let brokers = cluster.bootstrap_servers();
+    rt.block_on(produce(&brokers, &topic));
+    let took = rt.block_on(async {
+        match which {
+            "bare" => bare(&brokers, &topic, n).await,
+            "dedup_memory" => dedup_memory(&brokers, &topic, n).await,
+            "idem_memory" => {
+                let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new());
+                idem(&brokers, &topic, n, Idem::Lease(store)).await
+            }
+            other => panic!("IDEM_KAFKA_PROFILE={other}: bare, dedup_memory or idem_memory"),
+        }
+    });
+    println!(
+        "{which}: {n} messages in {took:?}, {:.0} msg/s, {:.0} ns of CPU per message",
+        n as f64 / took.as_secs_f64().max(1e-9),
+        support::window_cpu() as f64 / n as f64
+    );
+}
+
 criterion_group!(benches, kafka);
-criterion_main!(benches);
+
+fn main() {
+    if let Ok(which) = std::env::var("IDEM_KAFKA_PROFILE") {
+        return profile(&which);
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -309,12 +309,24 @@ impl Engine {
 
     /// The claim request this engine makes for `key` and `payload`.
     pub fn claim_for(&self, key: &Key, payload: &[u8]) -> Claim {
+        self.claim_with(key, self.fingerprint_of(payload))
+    }
+
+    /// The fingerprint this engine's claims carry for `payload`: `None` when fingerprints
+    /// are off. For a caller that hashes a payload ahead of its claim.
+    pub fn fingerprint_of(&self, payload: &[u8]) -> Option<Fingerprint> {
+        self.inner.fingerprint.then(|| Fingerprint::of(payload))
+    }
+
+    /// The claim request for `key` carrying `fingerprint`, which must be
+    /// [`Engine::fingerprint_of`] the payload: [`Engine::claim_for`] without hashing again.
+    pub fn claim_with(&self, key: &Key, fingerprint: Option<Fingerprint>) -> Claim {
         let i = &self.inner;
         Claim {
             key: key.clone(),
             owner: i.owner.clone(),
             lease_ttl: i.lease_ttl,
-            fingerprint: i.fingerprint.then(|| Fingerprint::of(payload)),
+            fingerprint,
             max_attempts: i.max_attempts,
             retention: i.retention,
         }

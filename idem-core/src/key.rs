@@ -33,12 +33,18 @@ impl Key {
         let (namespace, id) = (namespace.as_ref(), id.as_ref());
         check("namespace", namespace, MAX_NAMESPACE_BYTES)?;
         check("id", id, MAX_ID_BYTES)?;
-        let mut text = String::with_capacity(namespace.len() + id.len());
-        text.push_str(namespace);
-        text.push_str(id);
+        // Joined on the stack, then copied once into the shared allocation: one heap
+        // allocation per key, not a `String` and then its copy.
+        let mut joined = [0u8; MAX_NAMESPACE_BYTES + MAX_ID_BYTES];
+        let (split, len) = (namespace.len(), namespace.len() + id.len());
+        joined[..split].copy_from_slice(namespace.as_bytes());
+        joined[split..len].copy_from_slice(id.as_bytes());
+        // Two UTF-8 strings joined are UTF-8: this check never fails.
+        let text = std::str::from_utf8(&joined[..len])
+            .map_err(|_| Error::invalid_key("namespace and id do not join as UTF-8"))?;
         Ok(Key {
-            text: text.into(),
-            split: namespace.len(),
+            text: Arc::from(text),
+            split,
         })
     }
 

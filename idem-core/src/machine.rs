@@ -127,15 +127,17 @@ pub fn complete(
     retention: Duration,
     now: Timestamp,
 ) -> Option<Record> {
-    let rec = current.filter(|_| holds(current, lease, now))?;
-    Some(Record {
-        state: State::Completed,
-        lease_until: None,
-        response: Some(response),
-        error: None,
-        expires_at: Some(now.saturating_add(retention)),
-        ..rec.clone()
-    })
+    let mut rec = current.filter(|_| holds(current, lease, now))?.clone();
+    completed(&mut rec, response, retention, now);
+    Some(rec)
+}
+
+fn completed(rec: &mut Record, response: Bytes, retention: Duration, now: Timestamp) {
+    rec.state = State::Completed;
+    rec.lease_until = None;
+    rec.response = Some(response);
+    rec.error = None;
+    rec.expires_at = Some(now.saturating_add(retention));
 }
 
 /// The record after `fail`, or `None` if the lease is fenced.
@@ -147,15 +149,17 @@ pub fn fail(
     retention: Duration,
     now: Timestamp,
 ) -> Option<Record> {
-    let rec = current.filter(|_| holds(current, lease, now))?;
-    Some(Record {
-        state: State::Failed,
-        lease_until: None,
-        error: Some(error.to_owned()),
-        permanent: kind == FailureKind::Permanent,
-        expires_at: Some(now.saturating_add(retention)),
-        ..rec.clone()
-    })
+    let mut rec = current.filter(|_| holds(current, lease, now))?.clone();
+    failed(&mut rec, error, kind, retention, now);
+    Some(rec)
+}
+
+fn failed(rec: &mut Record, error: &str, kind: FailureKind, retention: Duration, now: Timestamp) {
+    rec.state = State::Failed;
+    rec.lease_until = None;
+    rec.error = Some(error.to_owned());
+    rec.permanent = kind == FailureKind::Permanent;
+    rec.expires_at = Some(now.saturating_add(retention));
 }
 
 /// The record after `release`, or `None` if the lease is fenced: the attempt is taken
@@ -164,18 +168,23 @@ pub fn fail(
 /// lease that lapsed (or was released already) has no attempt left to give back, so a
 /// second release is fenced and cannot take back a second attempt.
 pub fn release(current: Option<&Record>, lease: &Lease, now: Timestamp) -> Option<Record> {
-    let rec = current
-        .filter(|r| holds(current, lease, now) && lease_is_live(r, now) && r.attempts > 0)?;
+    let mut rec = current.filter(|r| may_release(r, lease, now))?.clone();
+    released(&mut rec, now);
+    Some(rec)
+}
+
+fn may_release(rec: &Record, lease: &Lease, now: Timestamp) -> bool {
+    holds(Some(rec), lease, now) && lease_is_live(rec, now) && rec.attempts > 0
+}
+
+fn released(rec: &mut Record, now: Timestamp) {
     let keep = match (rec.expires_at, rec.lease_until) {
         (Some(at), Some(until)) => at.since(until),
         _ => Duration::ZERO,
     };
-    Some(Record {
-        attempts: rec.attempts - 1,
-        lease_until: Some(now),
-        expires_at: Some(now.saturating_add(keep)),
-        ..rec.clone()
-    })
+    rec.attempts -= 1;
+    rec.lease_until = Some(now);
+    rec.expires_at = Some(now.saturating_add(keep));
 }
 
 /// The record after `settle` of `lease`, or `None` if the lease is fenced. A response
@@ -187,12 +196,42 @@ pub fn settle(
     retention: Duration,
     now: Timestamp,
 ) -> Option<Record> {
+    let mut rec = current.cloned()?;
+    settle_in_place(&mut rec, lease, settle, retention, now).then_some(rec)
+}
+
+/// [`settle`] applied to the stored record itself, without copying it: whether the lease
+/// held (when it did not, `record` is left as it was). The same transition, for a store
+/// that holds its records in memory.
+pub fn settle_in_place(
+    record: &mut Record,
+    lease: &Lease,
+    settle: &crate::Settle,
+    retention: Duration,
+    now: Timestamp,
+) -> bool {
     match settle {
         crate::Settle::Complete(response) => {
-            complete(current, lease, response.clone(), retention, now)
+            let held = holds(Some(record), lease, now);
+            if held {
+                completed(record, response.clone(), retention, now);
+            }
+            held
         }
-        crate::Settle::Fail { error, kind } => fail(current, lease, error, *kind, retention, now),
-        crate::Settle::Release => release(current, lease, now),
+        crate::Settle::Fail { error, kind } => {
+            let held = holds(Some(record), lease, now);
+            if held {
+                failed(record, error, *kind, retention, now);
+            }
+            held
+        }
+        crate::Settle::Release => {
+            let held = may_release(record, lease, now);
+            if held {
+                released(record, now);
+            }
+            held
+        }
     }
 }
 

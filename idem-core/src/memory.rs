@@ -2,6 +2,7 @@
 //! under real concurrency, and the embedded default.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -138,15 +139,46 @@ impl MemoryBackend {
         Ok(())
     }
 
-    /// Claims under the shard's lock: the transition, and its write if any.
-    fn claim_now(&self, claim: &Claim) -> ClaimOutcome {
-        let now = self.clock.now();
+    /// Claims at `now` under the shard's lock: the transition, and its write if any. The
+    /// key is hashed and looked up once.
+    fn claim_at(&self, claim: &Claim, now: Timestamp) -> ClaimOutcome {
         let mut shard = self.shard(&claim.key);
-        let (answer, next) = machine::claim(shard.get(&claim.key), claim, now);
-        if let Some(next) = next {
-            shard.insert(claim.key.clone(), next);
+        match shard.entry(claim.key.clone()) {
+            Entry::Occupied(mut slot) => {
+                let (answer, next) = machine::claim(Some(slot.get()), claim, now);
+                if let Some(next) = next {
+                    *slot.get_mut() = next;
+                }
+                answer
+            }
+            Entry::Vacant(slot) => {
+                let (answer, next) = machine::claim(None, claim, now);
+                if let Some(next) = next {
+                    slot.insert(next);
+                }
+                answer
+            }
         }
-        answer
+    }
+
+    /// Settles one item at `now`, in place under the shard's lock.
+    fn settle_at(&self, item: &Settlement, retention: Duration, now: Timestamp) -> Result<()> {
+        if let Settle::Complete(response) = &item.settle {
+            self.check_size(response)?;
+        }
+        let lease = &item.lease;
+        let held = self
+            .shard(&lease.key)
+            .get_mut(&lease.key)
+            .is_some_and(|rec| machine::settle_in_place(rec, lease, &item.settle, retention, now));
+        if !held {
+            return Err(Error::Fenced {
+                key: lease.key.clone(),
+                token: lease.token,
+            });
+        }
+        self.wake(&lease.key);
+        Ok(())
     }
 }
 
@@ -159,12 +191,14 @@ fn lock(shard: &Shard) -> MutexGuard<'_, HashMap<Key, Record, Hasher>> {
 #[async_trait]
 impl Backend for MemoryBackend {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
-        Ok(self.claim_now(claim))
+        Ok(self.claim_at(claim, self.clock.now()))
     }
 
-    /// In turn, as separate claims would, without a future per claim.
+    /// In turn, as separate claims would, without a future per claim, at one reading of
+    /// the clock (as one store call of a store whose clock decides).
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
-        Ok(claims.iter().map(|c| self.claim_now(c)).collect())
+        let now = self.clock.now();
+        Ok(claims.iter().map(|c| self.claim_at(c, now)).collect())
     }
 
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
@@ -193,23 +227,17 @@ impl Backend for MemoryBackend {
         self.settled(&lease.key, res)
     }
 
-    /// In turn, as separate calls would, without a future per item.
+    /// In turn, as separate calls would, without a future per item, at one reading of the
+    /// clock, each record changed in place.
     async fn settle_many(
         &self,
         items: &[Settlement],
         retention: Duration,
     ) -> Result<Vec<Result<()>>> {
+        let now = self.clock.now();
         Ok(items
             .iter()
-            .map(|item| {
-                if let Settle::Complete(response) = &item.settle {
-                    self.check_size(response)?;
-                }
-                let res = self.update(&item.lease, |cur, now| {
-                    machine::settle(cur, &item.lease, &item.settle, retention, now)
-                });
-                self.settled(&item.lease.key, res)
-            })
+            .map(|item| self.settle_at(item, retention, now))
             .collect())
     }
 

@@ -62,19 +62,20 @@ impl KeySource {
 
     /// Finds the key of `message` in `namespace`.
     pub(crate) fn extract(&self, namespace: &str, message: &Message) -> Extracted {
-        let id: Result<Option<Vec<u8>>, String> = match self {
-            KeySource::Header(name) => Ok(message.header(name).map(<[u8]>::to_vec)),
-            KeySource::MessageKey => Ok(message.message_key().map(|k| k.to_vec())),
-            KeySource::JsonPointer(pointer) => {
-                return from_json(namespace, pointer, message.payload());
-            }
-            KeySource::Custom(f) => f(message).map(|id| id.map(String::into_bytes)),
+        // The id is read in place: the key is its only copy.
+        let found = |id: Option<&[u8]>| match id {
+            None => Extracted::Missing,
+            Some([]) => Extracted::Missing,
+            Some(id) => to_key(namespace, id),
         };
-        match id {
-            Err(reason) => Extracted::Malformed(reason),
-            Ok(None) => Extracted::Missing,
-            Ok(Some(id)) if id.is_empty() => Extracted::Missing,
-            Ok(Some(id)) => to_key(namespace, &id),
+        match self {
+            KeySource::Header(name) => found(message.header(name)),
+            KeySource::MessageKey => found(message.message_key().map(|k| &k[..])),
+            KeySource::JsonPointer(pointer) => from_json(namespace, pointer, message.payload()),
+            KeySource::Custom(f) => match f(message) {
+                Err(reason) => Extracted::Malformed(reason),
+                Ok(id) => found(id.as_deref().map(str::as_bytes)),
+            },
         }
     }
 }

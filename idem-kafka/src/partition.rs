@@ -61,7 +61,9 @@ pub(crate) struct Item {
 }
 
 enum Kind {
-    Keyed(Claim),
+    /// The key and the payload's fingerprint, hashed as the batch is keyed; the claim is
+    /// built where it is sent ([`Worker::claim_of`]), so no copy of it is kept.
+    Keyed(idem_core::Key, Option<idem_core::Fingerprint>),
     Unkeyed,
     Dead(Reason, String),
 }
@@ -215,19 +217,10 @@ impl Worker {
     /// The key of a message, or why it has none usable.
     fn key(&self, msg: Message) -> Item {
         let s = &self.shared.settings;
-        let span = tracing::info_span!(
-            "idem_kafka.message",
-            topic = %self.state.topic,
-            partition = self.state.partition,
-            offset = msg.offset(),
-            key = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-        );
         let (msg, kind) = match s.key_source.extract(&s.namespace, &msg) {
             Extracted::Key(key) => {
-                span.record("key", tracing::field::display(&key));
-                let claim = self.engine.claim_for(&key, msg.payload());
-                (msg.with_key(key), Kind::Keyed(claim))
+                let fingerprint = self.engine.fingerprint_of(msg.payload());
+                (msg.with_key(key.clone()), Kind::Keyed(key, fingerprint))
             }
             Extracted::Missing => match s.missing_key {
                 MissingKey::DeadLetter => {
@@ -239,7 +232,26 @@ impl Worker {
             Extracted::Invalid(reason) => (msg, Kind::Dead(Reason::InvalidKey, reason)),
             Extracted::Malformed(reason) => (msg, Kind::Dead(Reason::MalformedPayload, reason)),
         };
+        // The key is a field from the start: no `record` per message, and nothing is
+        // formatted while no subscriber wants the span.
+        let span = tracing::info_span!(
+            "idem_kafka.message",
+            topic = %self.state.topic,
+            partition = self.state.partition,
+            offset = msg.offset(),
+            key = msg.key().map(tracing::field::display),
+            outcome = tracing::field::Empty,
+        );
         Item { msg, kind, span }
+    }
+
+    /// The claim of a keyed message (its key, this engine's settings, the payload's
+    /// fingerprint); `None` for a message without a key.
+    fn claim_of(&self, item: &Item) -> Option<Claim> {
+        match &item.kind {
+            Kind::Keyed(key, fingerprint) => Some(self.engine.claim_with(key, *fingerprint)),
+            _ => None,
+        }
     }
 
     /// Lease mode: one claim for the chunk, the handlers in order, one settle.
@@ -263,7 +275,7 @@ impl Worker {
             }
             let answer = answers[index].take();
             let flow = match (&item.kind, answer) {
-                (Kind::Keyed(_), Some(ClaimOutcome::Acquired(lease))) => {
+                (Kind::Keyed(..), Some(ClaimOutcome::Acquired(lease))) => {
                     match self.run_handler(item, &lease).await {
                         Err(flow) => Some(flow),
                         Ok(Ran::Settle(done @ Settle::Complete(_))) => {
@@ -298,12 +310,12 @@ impl Worker {
                         }
                     }
                 }
-                (Kind::Keyed(_), Some(ClaimOutcome::Completed(_))) => {
+                (Kind::Keyed(..), Some(ClaimOutcome::Completed(_))) => {
                     self.counters.replayed.increment(1);
                     item.span.record("outcome", "replayed");
                     None
                 }
-                (Kind::Keyed(_), other) => {
+                (Kind::Keyed(..), other) => {
                     // A key busy elsewhere (or earlier in this chunk), poisoned or mismatched.
                     let flow = self
                         .settle_before(chunk, &mut pending, &mut settled_to, index)
@@ -356,13 +368,7 @@ impl Worker {
     /// Claims the keyed messages of `chunk` in one store call, retrying while the store
     /// fails. The answers line up with the chunk (`None` for a message without a claim).
     async fn claim_chunk(&self, chunk: &[Item]) -> Result<Vec<Option<ClaimOutcome>>, Flow> {
-        let claims: Vec<Claim> = chunk
-            .iter()
-            .filter_map(|item| match &item.kind {
-                Kind::Keyed(claim) => Some(claim.clone()),
-                _ => None,
-            })
-            .collect();
+        let claims: Vec<Claim> = chunk.iter().filter_map(|i| self.claim_of(i)).collect();
         let mut answers = if claims.is_empty() {
             Vec::new()
         } else {
@@ -379,7 +385,7 @@ impl Worker {
         Ok(chunk
             .iter()
             .map(|item| match item.kind {
-                Kind::Keyed(_) => answers.next(),
+                Kind::Keyed(..) => answers.next(),
                 _ => None,
             })
             .collect())
@@ -402,10 +408,6 @@ impl Worker {
             let offset = item.msg.offset();
             running.poll_with(move || self.probe(Point::AfterEffect, offset))
         };
-        let run = self
-            .engine
-            .run_leased(lease, start)
-            .instrument(item.span.clone());
         let _permit = match self.handler_permit().await {
             Ok(permit) => permit,
             Err(flow) => {
@@ -419,7 +421,12 @@ impl Worker {
                 return Err(flow);
             }
         };
-        let result = self.guarded(run).await;
+        // Pinned where it is made: the handler's future is not moved again on its way in.
+        let result = {
+            let run = self.engine.run_leased(lease, start);
+            let run = std::pin::pin!(run.instrument(item.span.clone()));
+            self.guarded(run).await
+        };
         if let (Err(Flow::Stop), Some(slot)) = (&result, &slot) {
             slot.detach(&self.shared.runtime, item.span.clone());
         }
@@ -629,7 +636,7 @@ impl Worker {
             let item = &chunk[i];
             let answer = shared.answers.lock().unwrap_or_else(|e| e.into_inner())[i].take();
             let flow = match (&item.kind, answer) {
-                (Kind::Keyed(_), Some(ClaimOutcome::Acquired(lease))) => {
+                (Kind::Keyed(..), Some(ClaimOutcome::Acquired(lease))) => {
                     match self.run_handler(item, &lease).await {
                         Err(flow) => flow,
                         Ok(Ran::Settle(settle)) => {
@@ -647,12 +654,12 @@ impl Worker {
                         Ok(Ran::Fenced) => self.resolve(item, Some(Ok(Outcome::Fenced))).await,
                     }
                 }
-                (Kind::Keyed(_), Some(ClaimOutcome::Completed(_))) => {
+                (Kind::Keyed(..), Some(ClaimOutcome::Completed(_))) => {
                     self.counters.replayed.increment(1);
                     item.span.record("outcome", "replayed");
                     Flow::Go
                 }
-                (Kind::Keyed(_), other) => {
+                (Kind::Keyed(..), other) => {
                     let first = other
                         .and_then(|a| Engine::lease_or_outcome(a).err())
                         .map(Ok);
@@ -713,6 +720,15 @@ impl Worker {
     /// A permit to run one handler: at most `in_flight` run at once in a partition. `Stop`
     /// if the partition is given up while waiting: no handler starts after that.
     async fn handler_permit(&self) -> Result<InFlight<'_>, Flow> {
+        // One handler at a time: the partition's single permit would always be free here
+        // (handlers run in turn), so none is taken.
+        if self.shared.settings.in_flight == 1 {
+            self.counters.in_flight.increment(1.0);
+            return Ok(InFlight {
+                _permit: None,
+                gauge: &self.counters.in_flight,
+            });
+        }
         let permit = tokio::select! {
             biased;
             p = self.permits.acquire() => p,
@@ -806,7 +822,7 @@ impl Worker {
     /// One attempt at one message: claim, run and settle it alone (lease mode), or run it
     /// in a transaction of its own (transactional mode).
     async fn attempt(&self, item: &Item) -> Result<idem_core::Result<Outcome>, Flow> {
-        let Kind::Keyed(claim) = &item.kind else {
+        let Some(claim) = self.claim_of(item) else {
             return Ok(Err(idem_core::Error::corrupt(
                 "a keyless message has no claim",
             )));
@@ -822,7 +838,7 @@ impl Worker {
             let hook = self.tx_hook();
             let _permit = self.handler_permit().await?;
             let run = tx.run(
-                claim,
+                &claim,
                 self.engine.retention(),
                 at.as_ref(),
                 item.msg.clone(),
@@ -834,7 +850,7 @@ impl Worker {
         let mut backoff = self.backoff();
         let answer = loop {
             match self
-                .guarded(self.engine.claim_many(std::slice::from_ref(claim)))
+                .guarded(self.engine.claim_many(std::slice::from_ref(&claim)))
                 .await?
             {
                 Ok(mut answers) => break answers.pop(),
@@ -870,7 +886,7 @@ impl Worker {
         while start < chunk.len() {
             let keyed = chunk[start..]
                 .iter()
-                .take_while(|item| matches!(item.kind, Kind::Keyed(_)))
+                .take_while(|item| matches!(item.kind, Kind::Keyed(..)))
                 .count();
             if keyed == 0 {
                 let flow = self.process_one_by_one(&chunk[start..=start]).await;
@@ -888,13 +904,7 @@ impl Worker {
             if self.probe(Point::BeforeClaim, run[0].msg.offset()) {
                 return Flow::Dead;
             }
-            let claims: Vec<Claim> = run
-                .iter()
-                .filter_map(|item| match &item.kind {
-                    Kind::Keyed(claim) => Some(claim.clone()),
-                    _ => None,
-                })
-                .collect();
+            let claims: Vec<Claim> = run.iter().filter_map(|i| self.claim_of(i)).collect();
             let positions: Vec<OffsetPosition> =
                 run.iter().map(|item| self.position(&item.msg)).collect();
             let pick: crate::tx::PickOffset = Box::new(move |outcomes| {
@@ -959,7 +969,7 @@ impl Worker {
                 return flow;
             }
             let flow = match &item.kind {
-                Kind::Keyed(_) => self.resolve(item, None).await,
+                Kind::Keyed(..) => self.resolve(item, None).await,
                 Kind::Unkeyed => self.run_unkeyed(item).await,
                 Kind::Dead(reason, error) => self.dead_letter(item, *reason, error, 0).await,
             };

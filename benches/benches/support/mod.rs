@@ -84,6 +84,9 @@ impl Probe for Timing {
         match point {
             Point::BeforeClaim => {
                 let mut first = self.first.lock().unwrap_or_else(|e| e.into_inner());
+                if first.is_none() {
+                    window(true);
+                }
                 first.get_or_insert_with(Instant::now);
             }
             Point::AfterSettle if self.settled.fetch_add(1, Ordering::Relaxed) + 1 == self.n => {
@@ -93,6 +96,70 @@ impl Probe for Timing {
         }
         Verdict::Continue
     }
+}
+
+/// Under `valgrind --tool=callgrind --instr-atstart=no` with `IDEM_CALLGRIND=1` set:
+/// `true` switches instrumentation on (at a loop's first message), `false` dumps what was
+/// counted since and switches it off (at its `n`-th), so a profile holds the loop alone.
+/// Does nothing otherwise.
+pub fn callgrind(on: bool) {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ENABLED.get_or_init(|| std::env::var_os("IDEM_CALLGRIND").is_some()) {
+        return;
+    }
+    let pid = std::process::id().to_string();
+    let steps: &[&str] = if on { &["-i", "on"] } else { &["-d"] };
+    let status = std::process::Command::new("callgrind_control")
+        .args(steps)
+        .arg(&pid)
+        .stdout(std::process::Stdio::null())
+        .status();
+    if !status.as_ref().is_ok_and(|s| s.success()) {
+        eprintln!("callgrind_control {steps:?} failed: {status:?}");
+    }
+    if !on {
+        let _ = std::process::Command::new("callgrind_control")
+            .args(["-i", "off", &pid])
+            .stdout(std::process::Stdio::null())
+            .status();
+    }
+}
+
+/// Marks the window a loop is measured in, from its first message (`true`) to its `n`-th
+/// (`false`): [`callgrind`] collects in it, and the CPU time every thread of this process
+/// spent in it (the in-process broker's too) is kept for [`window_cpu`].
+pub fn window(on: bool) {
+    static START: Mutex<Option<u64>> = Mutex::new(None);
+    if on {
+        *START.lock().unwrap_or_else(|e| e.into_inner()) = Some(process_cpu_ns());
+        callgrind(true);
+    } else {
+        callgrind(false);
+        let start = START.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(start) = start {
+            WINDOW_CPU.store(process_cpu_ns().saturating_sub(start), Ordering::Relaxed);
+        }
+    }
+}
+
+static WINDOW_CPU: AtomicU64 = AtomicU64::new(0);
+
+/// The CPU time of the last [`window`], in nanoseconds.
+pub fn window_cpu() -> u64 {
+    WINDOW_CPU.load(Ordering::Relaxed)
+}
+
+/// The CPU time of this process's live threads so far, in nanoseconds (Linux schedstat;
+/// 0 elsewhere).
+fn process_cpu_ns() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(|t| t.ok())
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// The median of `v` (0 when empty).
