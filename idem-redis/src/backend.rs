@@ -209,7 +209,7 @@ impl Backend for RedisBackend {
                 let expire = parts.pop().as_ref().and_then(int);
                 let value = parts.pop().unwrap_or(Value::Nil);
                 let expire = expire.ok_or_else(|| bad_reply("get", "no expiry time"))?;
-                decode_record(key, value, Some(expire))
+                decode_record(key, value, expire)
             }
             other => Err(bad_reply("get", format!("{other:?}"))),
         }

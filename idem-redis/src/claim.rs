@@ -1,12 +1,10 @@
 //! Claims. A key with no record is claimed with a plain `SET … NX PX … GET` (pipelined for
-//! a batch), one command, which writes the fresh record and its expiry by the server's
-//! clock; the lease's reported deadline is the client's estimate, taken before it is sent.
-//! Where `SET` found a record, a completed or spent one is answered from the value it
-//! returned; the rest go to the claim function (`lua/claim.lua`, see `library.rs`), one
-//! call per batch per cluster slot, which reads a held key's deadline on the server.
+//! a batch), which writes the fresh record and its expiry; `PEXPIRETIME`, sent with it,
+//! gives the lease's deadline by the server's clock. Where `SET` found a record, a
+//! completed or spent one is answered from the value it returned; the rest go to the claim
+//! function (`lua/claim.lua`, see `library.rs`), one call per batch per cluster slot.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use idem_core::{Claim, ClaimKind, ClaimOutcome, Lease, Result, State, Timestamp, machine};
 use redis::Value;
@@ -16,7 +14,7 @@ use crate::backend::millis;
 use crate::error::{bad_reply, from_redis};
 use crate::library::Function;
 use crate::record::{decode_record, fresh};
-use crate::reply::decode_outcome;
+use crate::reply::{decode_outcome, int};
 
 impl RedisBackend {
     /// [`Backend::claim_many`](idem_core::Backend::claim_many): each answer as the single
@@ -59,8 +57,9 @@ impl RedisBackend {
             .collect()
     }
 
-    /// One pipeline of `SET key <fresh record> NX PX <lease + retention - 1> GET` for the
-    /// claims at `group` (one slot): each answer, or `None` where the function must decide.
+    /// One pipeline of `SET key <fresh record> NX PX <lease + retention - 1> GET` and
+    /// `PEXPIRETIME key` for the claims at `group` (one slot): each answer, or `None` where
+    /// the function must decide.
     async fn set_nx(
         &self,
         keys: &[String],
@@ -68,9 +67,6 @@ impl RedisBackend {
         group: &[usize],
     ) -> Result<Vec<Option<ClaimOutcome>>> {
         let mut pipe = redis::pipe();
-        // Before anything is sent: the server sets each expiry after it receives the
-        // command, so by the same clock no granted lease ends before `sent + lease_ttl`.
-        let sent = Timestamp::now();
         for &i in group {
             let (c, retention) = (&claims[i], millis(claims[i].retention));
             pipe.cmd("SET")
@@ -80,18 +76,27 @@ impl RedisBackend {
                 .arg("PX")
                 .arg(millis(c.lease_ttl) + retention - 1)
                 .arg("GET");
+            pipe.cmd("PEXPIRETIME").arg(&keys[i]);
         }
         let mut conn = self.conn.clone();
         let replies = self.call("claim", conn.pipe_on(None, pipe)).await?;
-        if replies.len() != group.len() {
+        if replies.len() != 2 * group.len() {
             return Err(bad_reply("claim", format!("{replies:?}")));
         }
+        let mut replies = replies.into_iter();
         let mut out = Vec::with_capacity(group.len());
-        for (&i, found) in group.iter().zip(replies) {
+        for &i in group {
+            let (found, expire) = (replies.next(), replies.next());
+            let expire = match expire {
+                Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
+                Some(v) => int(&v).ok_or_else(|| bad_reply("claim", format!("{v:?}")))?,
+                None => return Err(bad_reply("claim", "no reply")),
+            };
             out.push(match found {
-                Value::Nil => Some(granted(&claims[i], sent)),
-                Value::ServerError(e) => return Err(from_redis("claim", e.into())),
-                v => settled(&claims[i], v)?,
+                Some(Value::Nil) => Some(granted(&claims[i], expire)),
+                Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
+                Some(v) => settled(&claims[i], v, expire)?,
+                None => return Err(bad_reply("claim", "no reply")),
             });
         }
         Ok(out)
@@ -130,12 +135,14 @@ impl RedisBackend {
     }
 }
 
-/// The lease `SET NX` granted: token 1, its deadline the client's estimate, `lease_ttl`
-/// from `sent` (the client's clock just before the command went out). The server's lease
-/// ends `lease_ttl` after it received the command (the key's expiry less the retention),
-/// so no earlier while the clocks agree; that expiry, not this estimate, decides lapse.
-fn granted(claim: &Claim, sent: Timestamp) -> ClaimOutcome {
-    let lease_until = sent.saturating_add(Duration::from_millis(millis(claim.lease_ttl)));
+/// The lease `SET NX` granted: token 1, ending where the record's expiry (`expire`, its
+/// `PEXPIRETIME`) says, less the retention it carries. Should the key be gone already (a
+/// lease shorter than the round trip, then an expiry or a delete), the client's estimate.
+fn granted(claim: &Claim, expire: i64) -> ClaimOutcome {
+    let lease_until = match u64::try_from(expire) {
+        Ok(at) => Timestamp::from_millis((at + 1).saturating_sub(millis(claim.retention))),
+        Err(_) => Timestamp::now().saturating_add(claim.lease_ttl),
+    };
     ClaimOutcome::Acquired(Lease {
         key: claim.key.clone(),
         owner: claim.owner.clone(),
@@ -149,9 +156,8 @@ fn granted(claim: &Claim, sent: Timestamp) -> ClaimOutcome {
 /// The answer to `claim` from the record `SET NX` found, where it needs neither the clock
 /// nor a write: a completed or failed record's `Completed`, `Poisoned` or `Mismatch`.
 /// `None` (the function decides) for a `Processing` record, a retry, or a record gone.
-/// (`SET … GET` reads no expiry: the record's deadlines stay unknown, and none is needed.)
-fn settled(claim: &Claim, found: Value) -> Result<Option<ClaimOutcome>> {
-    let Some(rec) = decode_record(&claim.key, found, None)? else {
+fn settled(claim: &Claim, found: Value, expire: i64) -> Result<Option<ClaimOutcome>> {
+    let Some(rec) = decode_record(&claim.key, found, expire)? else {
         return Ok(None);
     };
     if rec.state == State::Processing {

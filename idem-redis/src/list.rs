@@ -57,7 +57,7 @@ impl RedisBackend {
                     let (Some(value), Some(expire)) = (value, expire) else {
                         return Err(bad_reply("list", "a record without its expiry time"));
                     };
-                    if let Some(rec) = decode_record(key, value, Some(expire))? {
+                    if let Some(rec) = decode_record(key, value, expire)? {
                         if filter.matches(&rec) {
                             out.push(rec);
                             if out.len() >= limit {

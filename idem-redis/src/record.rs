@@ -36,13 +36,8 @@ pub(crate) fn fresh(claim: &Claim, retention_ms: u64) -> Vec<u8> {
 }
 
 /// The record `GET` returned for `key`, given the key's `PEXPIRETIME` read with it; `None`
-/// when there is none. Without an expiry (`SET … GET` reads none) the record's deadlines,
-/// `expires_at` and a lease's `lease_until`, are left unknown (`None`).
-pub(crate) fn decode_record(
-    key: &Key,
-    value: Value,
-    expire: Option<i64>,
-) -> Result<Option<Record>> {
+/// when there is none.
+pub(crate) fn decode_record(key: &Key, value: Value, expire: i64) -> Result<Option<Record>> {
     match value {
         Value::Nil => Ok(None),
         Value::BulkString(raw) => {
@@ -83,19 +78,14 @@ impl<'a> Fields<'a> {
     }
 }
 
-fn decode(key: &Key, raw: &[u8], expire: Option<i64>) -> Result<Option<Record>, &'static str> {
+fn decode(key: &Key, raw: &[u8], expire: i64) -> Result<Option<Record>, &'static str> {
     // The key went away between the reads (`list` reads without a snapshot).
-    if expire == Some(-2) {
+    if expire == -2 {
         return Ok(None);
     }
-    let expires_at = match expire {
-        Some(at) => Some(
-            u64::try_from(at)
-                .map_err(|_| "no expiry")?
-                .saturating_add(1),
-        ),
-        None => None,
-    };
+    let expires_at = u64::try_from(expire)
+        .map_err(|_| "no expiry")?
+        .saturating_add(1);
     let (&state, rest) = raw.split_first().ok_or("not an idem record")?;
     let state = match state {
         b'P' => State::Processing,
@@ -129,7 +119,7 @@ fn decode(key: &Key, raw: &[u8], expire: Option<i64>) -> Result<Option<Record>, 
             error = Some(String::from_utf8(text.to_vec()).map_err(|_| "error is not UTF-8")?);
         }
         State::Processing if body.is_empty() => {
-            lease_until = expires_at.map(|at| Timestamp::from_millis(at.saturating_sub(retention)));
+            lease_until = Some(Timestamp::from_millis(expires_at.saturating_sub(retention)));
         }
         State::Processing => return Err("bad length"),
     }
@@ -144,7 +134,7 @@ fn decode(key: &Key, raw: &[u8], expire: Option<i64>) -> Result<Option<Record>, 
         response,
         error,
         permanent,
-        expires_at: expires_at.map(Timestamp::from_millis),
+        expires_at: Some(Timestamp::from_millis(expires_at)),
     }))
 }
 
@@ -185,7 +175,7 @@ mod tests {
         };
         let raw = fresh(&claim, 500);
         assert!(raw.starts_with(b"P1:3:w:1#"));
-        let rec = decode_record(&key(), string(&raw), Some(10_999))
+        let rec = decode_record(&key(), string(&raw), 10_999)
             .unwrap()
             .unwrap();
         assert_eq!(rec.state, State::Processing);
@@ -193,21 +183,18 @@ mod tests {
         assert_eq!(rec.expires_at, Some(Timestamp::from_millis(11_000)));
         assert_eq!(rec.lease_until, Some(Timestamp::from_millis(10_500)));
         assert_eq!(rec.fingerprint, claim.fingerprint);
-        assert_eq!(decode_record(&key(), string(&raw), Some(-2)).unwrap(), None);
-        let unread = decode_record(&key(), string(&raw), None).unwrap().unwrap();
-        assert_eq!((unread.expires_at, unread.lease_until), (None, None));
-        assert_eq!((unread.token, unread.fingerprint), (1, claim.fingerprint));
+        assert_eq!(decode_record(&key(), string(&raw), -2).unwrap(), None);
     }
 
     #[test]
     fn the_fencing_prefix_is_the_front_of_a_held_record() {
         assert_eq!(fence(&lease()), b"P12:3:w:1");
-        let rec = decode_record(&key(), string(b"C12:3:w:1-2:0;\x00ok"), Some(99))
+        let rec = decode_record(&key(), string(b"C12:3:w:1-2:0;\x00ok"), 99)
             .unwrap()
             .unwrap();
         assert_eq!(rec.response, Some(Bytes::from_static(b"\x00ok")));
         assert_eq!((rec.lease_until, rec.attempts), (None, 2));
-        let rec = decode_record(&key(), string(b"F2:1:a-1:0;1boom"), Some(99))
+        let rec = decode_record(&key(), string(b"F2:1:a-1:0;1boom"), 99)
             .unwrap()
             .unwrap();
         assert_eq!((rec.error.as_deref(), rec.permanent), (Some("boom"), true));
@@ -225,7 +212,7 @@ mod tests {
             (string(b"C1:1:w-1:0;"), -1),
             (Value::Int(5), 5),
         ] {
-            let res = decode_record(&key(), bad.clone(), Some(expire));
+            let res = decode_record(&key(), bad.clone(), expire);
             assert!(
                 matches!(res, Err(Error::Corrupt { .. })),
                 "{bad:?}: {res:?}"
@@ -235,13 +222,9 @@ mod tests {
 
     #[test]
     fn decodes_records_of_the_first_layout() {
-        let rec = decode_record(
-            &key(),
-            string(b"c3,2,,1700000000000,0,1,0,2,;w\xff\x00"),
-            Some(5),
-        )
-        .unwrap()
-        .unwrap();
+        let rec = decode_record(&key(), string(b"c3,2,,1700000000000,0,1,0,2,;w\xff\x00"), 5)
+            .unwrap()
+            .unwrap();
         assert_eq!(rec.state, State::Completed);
         assert_eq!((rec.owner.as_str(), rec.token, rec.attempts), ("w", 3, 2));
         assert_eq!(rec.response, Some(Bytes::from_static(b"\xff\x00")));
@@ -253,13 +236,11 @@ mod tests {
         let mut raw = b"f1,1,,99,1,2,32,,3;a;".to_vec();
         raw.extend_from_slice(&fp);
         raw.extend_from_slice(b"e,r");
-        let rec = decode_record(&key(), string(&raw), Some(5))
-            .unwrap()
-            .unwrap();
+        let rec = decode_record(&key(), string(&raw), 5).unwrap().unwrap();
         assert_eq!(rec.owner, "a;");
         assert_eq!(rec.fingerprint, Some(Fingerprint(fp)));
         assert_eq!((rec.error.as_deref(), rec.permanent), (Some("e,r"), true));
-        assert_eq!(decode_record(&key(), Value::Nil, Some(5)).unwrap(), None);
+        assert_eq!(decode_record(&key(), Value::Nil, 5).unwrap(), None);
     }
 
     #[test]
@@ -276,7 +257,7 @@ mod tests {
             Value::Int(5),
             Value::Array(vec![]),
         ] {
-            let res = decode_record(&key(), bad.clone(), Some(5));
+            let res = decode_record(&key(), bad.clone(), 5);
             assert!(
                 matches!(res, Err(Error::Corrupt { .. })),
                 "{bad:?}: {res:?}"
