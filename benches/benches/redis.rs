@@ -294,6 +294,29 @@ macro_rules! measured {
     }};
 }
 
+/// The raw cycle a hand-written dedup pays per key: `SET key NX PX`, then `SET` of the
+/// result, on `conn`.
+async fn raw_cycle<C: redis::aio::ConnectionLike>(conn: &mut C, key: &str, px: u64) {
+    let set: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg("processing")
+        .arg("NX")
+        .arg("PX")
+        .arg(px)
+        .query_async(conn)
+        .await
+        .expect("SET NX PX");
+    assert!(set.is_some(), "fresh key taken");
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg("completed")
+        .arg("PX")
+        .arg(px)
+        .query_async(conn)
+        .await
+        .expect("SET");
+}
+
 fn redis_benches(c: &mut Criterion) {
     let Some(url) = url() else { return };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -334,24 +357,7 @@ fn redis_benches(c: &mut Criterion) {
                 spread(iters, 1, move |i| {
                     let (mut raw, key) = (raw.clone(), ids.raw(base + i));
                     async move {
-                        let set: Option<String> = redis::cmd("SET")
-                            .arg(&key)
-                            .arg("processing")
-                            .arg("NX")
-                            .arg("PX")
-                            .arg(px)
-                            .query_async(&mut raw)
-                            .await
-                            .expect("SET NX PX");
-                        assert!(set.is_some(), "fresh key taken");
-                        let _: () = redis::cmd("SET")
-                            .arg(&key)
-                            .arg("completed")
-                            .arg("PX")
-                            .arg(px)
-                            .query_async(&mut raw)
-                            .await
-                            .expect("SET");
+                        raw_cycle(&mut raw, &key, px).await;
                     }
                 })
             })
@@ -428,24 +434,7 @@ fn redis_benches(c: &mut Criterion) {
                 spread_conns(iters, conns.clone(), move |mut conn, i| {
                     let key = ids.raw(base + i);
                     async move {
-                        let set: Option<String> = redis::cmd("SET")
-                            .arg(&key)
-                            .arg("processing")
-                            .arg("NX")
-                            .arg("PX")
-                            .arg(px)
-                            .query_async(&mut conn)
-                            .await
-                            .expect("SET NX PX");
-                        assert!(set.is_some(), "fresh key taken");
-                        let _: () = redis::cmd("SET")
-                            .arg(&key)
-                            .arg("completed")
-                            .arg("PX")
-                            .arg(px)
-                            .query_async(&mut conn)
-                            .await
-                            .expect("SET");
+                        raw_cycle(&mut conn, &key, px).await;
                     }
                 })
             })
