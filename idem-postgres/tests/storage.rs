@@ -389,3 +389,60 @@ async fn only_watched_keys_are_notified_when_settled() {
         .expect("count waiters");
     assert_eq!(rows, 1, "one waiter row, for the watched key");
 }
+
+/// The trigger looks for waiters once per statement (migration 0005) and notifies what the
+/// per-row one did: of one batch settle only its watched keys, a release (attempts handed
+/// back), not an extend (still Processing, same attempts).
+#[tokio::test]
+async fn a_batch_settle_notifies_its_watched_keys_and_a_release_but_not_an_extend() {
+    let backend = common::backend().await;
+    let mut listener = sqlx::postgres::PgListener::connect_with(backend.pool())
+        .await
+        .expect("listen connection");
+    listener.listen("idem_settled").await.expect("LISTEN");
+    let mut leases = Vec::new();
+    for id in ["quiet", "batch-watched", "extended", "released", "last"] {
+        leases.push(acquire(&backend, &claim(id, RETENTION)).await);
+    }
+    let [quiet, batch_watched, extended, released, last] = &leases[..] else {
+        unreachable!("five leases");
+    };
+    let mut watches = Vec::new();
+    for lease in [batch_watched, extended, released, last] {
+        watches.push(backend.watch(&lease.key).await);
+    }
+    let done = |lease: &idem_core::Lease| idem_core::Settlement {
+        lease: lease.clone(),
+        settle: idem_core::Settle::Complete(Bytes::from_static(b"r")),
+    };
+    let answers = backend
+        .settle_many(&[done(quiet), done(batch_watched)], RETENTION)
+        .await
+        .expect("settle_many");
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    backend
+        .extend(extended, Duration::from_secs(60))
+        .await
+        .expect("extend");
+    backend.release(released).await.expect("release");
+    backend
+        .complete(last, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .expect("complete");
+    let mut seen = Vec::new();
+    while seen
+        .last()
+        .is_none_or(|p: &String| !p.ends_with(":ns:last"))
+    {
+        let next = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+            .await
+            .expect("a notification within 10 s")
+            .expect("a notification");
+        seen.push(next.payload().to_owned());
+    }
+    let ids: Vec<&str> = seen
+        .iter()
+        .map(|p| p.rsplit(':').next().unwrap_or(""))
+        .collect();
+    assert_eq!(ids, ["batch-watched", "released", "last"], "{seen:?}");
+}
