@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group};
 use futures::FutureExt;
+use idem_core::layer::{Around, Call, Layered};
 use idem_core::{Backend, Engine, MemoryBackend};
 use idem_kafka::IdemConsumer;
 use idem_kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
@@ -515,6 +516,7 @@ where
 }
 
 /// The durable stores, when their services are configured.
+#[derive(Clone)]
 struct Stores {
     redis: Option<(RedisBackend, ConnectionManager)>,
     postgres: Option<PgBackend>,
@@ -750,11 +752,14 @@ fn kafka(c: &mut Criterion) {
 }
 
 /// One loop, once, on a MockCluster, without Criterion: `IDEM_KAFKA_PROFILE=bare`,
-/// `dedup_memory` or `idem_memory` (and `IDEM_KAFKA_PROFILE_N` messages, default all),
-/// for a profiler. Under `valgrind --tool=callgrind --collect-atstart=no`, with
-/// `IDEM_CALLGRIND=1`, collection runs from the first message to the `n`-th only
-/// ([`support::window`]), so the counts divided by `n` are the cost per message; it also
-/// prints the CPU time of the process's threads in that window, per message.
+/// `dedup_memory`, `idem_memory`, `dedup_redis`, `idem_redis`, `dedup_postgres` or
+/// `idem_postgres` (and `IDEM_KAFKA_PROFILE_N` messages, default all), for a profiler or
+/// to see where a store loop's time goes. Under `valgrind --tool=callgrind
+/// --collect-atstart=no`, with `IDEM_CALLGRIND=1`, collection runs from the first message
+/// to the `n`-th only ([`support::window`]), so the counts divided by `n` are the cost per
+/// message; it also prints the CPU time of the process's threads in that window, per
+/// message. An idem loop on a store also prints, per store operation, its calls, items per
+/// call and time per call ([`Tally`]).
 fn profile(which: &str) {
     let n = std::env::var("IDEM_KAFKA_PROFILE_N")
         .ok()
@@ -771,15 +776,42 @@ fn profile(which: &str) {
     cluster.create_topic(&topic, PARTITIONS, 1).expect("topic");
     let brokers = cluster.bootstrap_servers();
     rt.block_on(produce(&brokers, &topic));
+    let stores = if which.ends_with("_redis") || which.ends_with("_postgres") {
+        rt.block_on(stores())
+    } else {
+        Stores {
+            redis: None,
+            postgres: None,
+        }
+    };
+    let tally = Tally::default();
     let took = rt.block_on(async {
         match which {
             "bare" => bare(&brokers, &topic, n).await,
             "dedup_memory" => dedup_memory(&brokers, &topic, n).await,
             "idem_memory" => {
-                let store: Arc<dyn Backend> = Arc::new(MemoryBackend::new());
+                let store = tally.wrap(MemoryBackend::new());
                 idem(&brokers, &topic, n, Idem::Lease(store)).await
             }
-            other => panic!("IDEM_KAFKA_PROFILE={other}: bare, dedup_memory or idem_memory"),
+            "dedup_redis" | "idem_redis" => {
+                let (backend, raw) = stores.redis.clone().expect("IDEM_REDIS_URL");
+                if which == "dedup_redis" {
+                    dedup(&brokers, &topic, n, Dedup::Redis(raw)).await
+                } else {
+                    let store = tally.wrap(backend);
+                    idem(&brokers, &topic, n, Idem::Lease(store)).await
+                }
+            }
+            "dedup_postgres" | "idem_postgres" => {
+                let pg = stores.postgres.clone().expect("IDEM_POSTGRES_URL");
+                if which == "dedup_postgres" {
+                    dedup(&brokers, &topic, n, Dedup::Postgres(pg.pool().clone())).await
+                } else {
+                    let store = tally.wrap(pg);
+                    idem(&brokers, &topic, n, Idem::Lease(store)).await
+                }
+            }
+            other => panic!("IDEM_KAFKA_PROFILE={other}: see `profile` in benches/kafka.rs"),
         }
     });
     println!(
@@ -787,6 +819,54 @@ fn profile(which: &str) {
         n as f64 / took.as_secs_f64().max(1e-9),
         support::window_cpu() as f64 / n as f64
     );
+    tally.print(n);
+}
+
+/// Per store operation (by name): calls, items and the time the calls took, summed.
+#[derive(Clone, Default)]
+struct Tally(Arc<Mutex<HashMap<&'static str, Sums>>>);
+
+/// Calls, items and time.
+type Sums = (u64, u64, Duration);
+
+impl Tally {
+    fn wrap<B: Backend + 'static>(&self, store: B) -> Arc<dyn Backend> {
+        Arc::new(Layered::new(store, self.clone()))
+    }
+
+    fn print(&self, messages: usize) {
+        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ops: Vec<_> = map.iter().collect();
+        ops.sort();
+        for (op, (calls, items, time)) in ops {
+            println!(
+                "  {op}: {calls} calls, {:.1} items per call, {:.0} µs per call, \
+                 {:.2} calls per message",
+                *items as f64 / *calls as f64,
+                time.as_secs_f64() * 1e6 / *calls as f64,
+                *calls as f64 / messages as f64
+            );
+        }
+    }
+}
+
+impl Around for Tally {
+    fn around<'a, T: Send + 'a>(
+        &'a self,
+        call: Call<'a>,
+        next: futures::future::BoxFuture<'a, idem_core::Result<T>>,
+    ) -> futures::future::BoxFuture<'a, idem_core::Result<T>> {
+        async move {
+            let began = Instant::now();
+            let answer = next.await;
+            let took = began.elapsed();
+            let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = map.entry(call.op.name()).or_default();
+            *entry = (entry.0 + 1, entry.1 + call.items as u64, entry.2 + took);
+            answer
+        }
+        .boxed()
+    }
 }
 
 criterion_group!(benches, kafka);
