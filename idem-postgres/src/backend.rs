@@ -192,6 +192,43 @@ impl PgBackend {
         within(what, self.timeout, fut).await
     }
 
+    /// One claim, if its key does not exist yet: the insert alone (`claim_fresh.sql`).
+    /// `None` when the key exists.
+    async fn claim_fresh(&self, stmt: &ClaimStmt, c: &Claim) -> Result<Option<ClaimOutcome>> {
+        let query = bind_one(sqlx::query(stmt.fresh.sql()), c);
+        let Some(row) = self
+            .timed("claim", query.fetch_optional(&self.pool))
+            .await?
+        else {
+            return Ok(None);
+        };
+        let until: i64 = row.try_get(0).map_err(|e| map("claim", e))?;
+        Ok(Some(ClaimOutcome::Acquired(Lease {
+            key: c.key.clone(),
+            owner: c.owner.clone(),
+            token: 1,
+            attempts: 1,
+            lease_until: Timestamp::from_millis(u64::try_from(until).unwrap_or(0)),
+            kind: ClaimKind::First,
+        })))
+    }
+
+    /// The answer to `claim` from its key's record as read now (`claim_read.sql`), or
+    /// `None` where the claim could take the record (or found none): a claim statement
+    /// must decide that.
+    async fn claim_read(&self, claim: &Claim) -> Result<Option<ClaimOutcome>> {
+        let query = sqlx::query(self.sql.claim_read.sql())
+            .bind(claim.key.namespace())
+            .bind(claim.key.id());
+        let Some(row) = self
+            .timed("claim", query.fetch_optional(&self.pool))
+            .await?
+        else {
+            return Ok(None);
+        };
+        Ok(Found::from_row(&row, false)?.answer(claim))
+    }
+
     /// One statement for claims of distinct keys. `None` where the key was neither written
     /// nor found (a concurrent first insert committed after this statement's snapshot), or
     /// where the database and the state machine disagreed at a millisecond boundary: the
@@ -203,14 +240,7 @@ impl PgBackend {
         claims: &[&Claim],
     ) -> Result<(Vec<Option<ClaimOutcome>>, HashMap<Key, Found>)> {
         let query = match claims {
-            [c] => sqlx::query(stmt.one.sql())
-                .bind(c.key.namespace())
-                .bind(c.key.id())
-                .bind(c.owner.as_str())
-                .bind(millis(c.lease_ttl))
-                .bind(c.fingerprint.map(|f| f.0.to_vec()))
-                .bind(i32::try_from(c.max_attempts).unwrap_or(i32::MAX))
-                .bind(millis(c.retention)),
+            [c] => bind_one(sqlx::query(stmt.one.sql()), c),
             _ => {
                 let mut ns = Vec::with_capacity(claims.len());
                 let (mut ids, mut owners, mut ttls) = (Vec::new(), Vec::new(), Vec::new());
@@ -237,20 +267,9 @@ impl PgBackend {
         let rows = self.timed("claim", query.fetch_all(&self.pool)).await?;
         let mut found = HashMap::with_capacity(rows.len());
         for row in &rows {
-            let rec = decode(row)?;
-            let now: i64 = row.try_get("now_ms").map_err(|e| map("claim", e))?;
             let written = row.try_get("written").map_err(|e| map("claim", e))?;
-            let kind = row.try_get("claim_kind").map_err(|e| map("claim", e))?;
-            let now = Timestamp::from_millis(u64::try_from(now).unwrap_or(0));
-            found.insert(
-                rec.key.clone(),
-                Found {
-                    rec,
-                    written,
-                    kind,
-                    now,
-                },
-            );
+            let f = Found::from_row(row, written)?;
+            found.insert(f.rec.key.clone(), f);
         }
         let mut out = Vec::with_capacity(claims.len());
         for claim in claims {
@@ -271,6 +290,14 @@ impl PgBackend {
         stmt: &ClaimStmt,
         claims: &[Claim],
     ) -> Result<Vec<ClaimOutcome>> {
+        if let [claim] = claims {
+            if let Some(lease) = self.claim_fresh(stmt, claim).await? {
+                return Ok(vec![lease]);
+            }
+            if let Some(answer) = self.claim_read(claim).await? {
+                return Ok(vec![answer]);
+            }
+        }
         let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
         let mut pending: Vec<usize> = (0..claims.len()).collect();
         for _ in 0..claims.len() + 16 {
@@ -328,12 +355,27 @@ struct Found {
 }
 
 impl Found {
-    /// The answer `claim` gets from this record without writing, or `None` where it could
-    /// claim it (a statement must do that).
+    /// A row of record columns with the database's clock (`now_ms`).
+    fn from_row(row: &PgRow, written: bool) -> Result<Found> {
+        let rec = decode(row)?;
+        let now: i64 = row.try_get("now_ms").map_err(|e| map("claim", e))?;
+        let kind = row.try_get("claim_kind").map_err(|e| map("claim", e))?;
+        let now = Timestamp::from_millis(u64::try_from(now).unwrap_or(0));
+        Ok(Found {
+            rec,
+            written,
+            kind,
+            now,
+        })
+    }
+
+    /// The answer `claim` gets from this record without writing, or `None` where the
+    /// claim writes (it takes the record, or turns a lapsed lease with no attempts left
+    /// failed): a statement must do that.
     fn answer(&self, claim: &Claim) -> Option<ClaimOutcome> {
-        match machine::claim(Some(&self.rec), claim, self.now).0 {
-            ClaimOutcome::Acquired(_) => None,
-            answer => Some(answer),
+        match machine::claim(Some(&self.rec), claim, self.now) {
+            (answer, None) => Some(answer),
+            (_, Some(_)) => None,
         }
     }
 }
@@ -349,6 +391,19 @@ pub(crate) fn distinct_round<'k>(
     let mut rest: Vec<usize> = groups.iter().flat_map(|g| g[1..].iter().copied()).collect();
     rest.sort_unstable();
     (first, rest)
+}
+
+/// The parameters of one claim, `$1` to `$7` of `claim_fresh.sql` and of `claim.sql`'s
+/// single input.
+fn bind_one<'q>(query: PgQuery<'q>, c: &'q Claim) -> PgQuery<'q> {
+    query
+        .bind(c.key.namespace())
+        .bind(c.key.id())
+        .bind(c.owner.as_str())
+        .bind(millis(c.lease_ttl))
+        .bind(c.fingerprint.map(|f| f.0.to_vec()))
+        .bind(i32::try_from(c.max_attempts).unwrap_or(i32::MAX))
+        .bind(millis(c.retention))
 }
 
 /// A duration as whole milliseconds for SQL intervals, capped at about a century.

@@ -64,6 +64,10 @@ fn claimable(r: &str, c: &str) -> String {
 /// Makes the claim's commit asynchronous (transactional mode; see `claim_async`).
 const ASYNC_COMMIT: &str =
     ", (SELECT set_config('synchronous_commit', 'off', true)) AS commit_mode";
+/// The same for `claim_fresh.sql`, whose `RETURNING` list takes no subquery: run for the
+/// row it returns, so before the commit, as the claim's is.
+const ASYNC_COMMIT_RETURNING: &str =
+    ", set_config('synchronous_commit', 'off', true) AS commit_mode";
 
 /// One statement's text.
 #[derive(Debug, Clone)]
@@ -100,6 +104,7 @@ impl Stmt {
 
 const CLAIM: &str = include_str!("../sql/claim.sql");
 const SETTLE: &str = include_str!("../sql/settle_many.sql");
+const FRESH: &str = include_str!("../sql/claim_fresh.sql");
 
 /// The claims of `claim.sql` as arrays, one element per claim.
 const INPUT_MANY: &str = "SELECT namespace, id, owner, ttl_ms, fingerprint, \
@@ -113,19 +118,22 @@ const INPUT_ONE: &str = "SELECT $1::text AS namespace, $2::text AS id, $3::text 
     $4::int8 AS ttl_ms, $5::bytea AS fingerprint, greatest($6::int4, 1) AS max_attempts, \
     $7::int8 AS retention_ms";
 
-/// The claim statement for a batch and for one claim, with the same commit mode.
+/// The claim statement for a batch and for one claim, and the insert tried first for one
+/// claim, with the same commit mode.
 #[derive(Debug)]
 pub(crate) struct ClaimStmt {
     pub many: Stmt,
     pub one: Stmt,
+    pub fresh: Stmt,
 }
 
 impl ClaimStmt {
-    fn new(commit_mode: &str, schema: &str) -> Self {
+    fn new((commit_mode, returning): (&str, &str), schema: &str) -> Self {
         let claim = CLAIM.replace("{commit_mode}", commit_mode);
         ClaimStmt {
             many: Stmt::new(&claim.replace("{input}", INPUT_MANY), schema),
             one: Stmt::new(&claim.replace("{input}", INPUT_ONE), schema),
+            fresh: Stmt::new(&FRESH.replace("{commit_mode}", returning), schema),
         }
     }
 }
@@ -144,6 +152,8 @@ pub(crate) struct Statements {
     /// `settle_many` that also stores an offset (batch transactional mode).
     pub settle_batch: Stmt,
     pub lock_batch: Stmt,
+    /// One key's record and the clock, for a claim whose insert found the key.
+    pub claim_read: Stmt,
     pub release: Stmt,
     pub fail: Stmt,
     pub extend: Stmt,
@@ -162,13 +172,14 @@ impl Statements {
     pub fn new(schema: &str) -> Self {
         let s = |t: &str| Stmt::new(t, schema);
         Statements {
-            claim: ClaimStmt::new("", schema),
-            claim_async: ClaimStmt::new(ASYNC_COMMIT, schema),
+            claim: ClaimStmt::new(("", ""), schema),
+            claim_async: ClaimStmt::new((ASYNC_COMMIT, ASYNC_COMMIT_RETURNING), schema),
             complete_with_offset: s(include_str!("../sql/complete_with_offset.sql")),
             complete: s(include_str!("../sql/complete.sql")),
             settle_many: s(&SETTLE.replace("{offset}", "")),
             settle_batch: s(&SETTLE.replace("{offset}", include_str!("../sql/batch_offset.sql"))),
             lock_batch: s(include_str!("../sql/lock_batch.sql")),
+            claim_read: s(include_str!("../sql/claim_read.sql")),
             release: s(include_str!("../sql/release.sql")),
             fail: s(include_str!("../sql/fail.sql")),
             extend: s(include_str!("../sql/extend.sql")),

@@ -353,6 +353,115 @@ async fn a_fresh_keys_claim_runs_the_insert_alone() {
     );
 }
 
+type Sent = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+thread_local! {
+    /// Where this thread's statements go while [`statements`] records them.
+    static SINK: std::cell::RefCell<Option<Sent>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Stops recording this thread's statements when dropped.
+struct Recording;
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        SINK.with(|s| s.borrow_mut().take());
+    }
+}
+
+/// The first line of SQL (after comments) of each statement sqlx sends from this thread
+/// (the test's runtime has one) while the guard lives, from sqlx's `sqlx::query` events.
+/// The subscriber is global, installed once, because tracing's callsite filters and
+/// sqlx's level check are global: a thread's own subscriber misses events while other
+/// tests run.
+fn statements() -> (Sent, Recording) {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    struct Sql;
+    struct Statement<'a>(&'a mut Option<String>);
+    impl tracing::field::Visit for Statement<'_> {
+        fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+            if field.name() == "db.statement" {
+                *self.0 = Some(value.to_owned());
+            }
+        }
+        fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+    }
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Sql {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if event.metadata().target() != "sqlx::query" {
+                return;
+            }
+            let Some(sink) = SINK.with(|s| s.borrow().clone()) else {
+                return;
+            };
+            let mut sql = None;
+            event.record(&mut Statement(&mut sql));
+            let sql = sql.unwrap_or_default();
+            let first = sql.lines().find(|l| {
+                let l = l.trim_start();
+                !l.is_empty() && !l.starts_with("--")
+            });
+            let first = first.unwrap_or("").trim().to_owned();
+            sink.lock().unwrap_or_else(|e| e.into_inner()).push(first);
+        }
+    }
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Sql))
+            .expect("the only global subscriber in this test binary");
+    });
+    let sent = Sent::default();
+    SINK.with(|s| *s.borrow_mut() = Some(std::sync::Arc::clone(&sent)));
+    (sent, Recording)
+}
+
+/// A claim of one new key is one plain insert (`claim_fresh.sql`). A claim of an existing
+/// key tries it and reads the record (`claim_read.sql`): a duplicate is answered from
+/// that; a key the claim can take runs the claim statement as well.
+#[tokio::test]
+async fn one_fresh_claim_is_one_insert_and_a_duplicates_an_insert_and_a_read() {
+    let backend = common::backend().await;
+    let (seen, _guard) = statements();
+    let lease = acquire(&backend, &claim("fresh-one", RETENTION)).await;
+    let sent = std::mem::take(&mut *seen.lock().expect("lock"));
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert!(sent[0].starts_with("INSERT INTO"), "{sent:?}");
+    assert_eq!((lease.token, lease.attempts), (1, 1));
+    assert!(lease.lease_until > idem_core::Timestamp::now(), "{lease:?}");
+
+    backend.release(&lease).await.expect("release");
+    seen.lock().expect("lock").clear();
+    let again = acquire(&backend, &claim("fresh-one", RETENTION)).await;
+    let sent = std::mem::take(&mut *seen.lock().expect("lock"));
+    assert_eq!(sent.len(), 3, "{sent:?}");
+    assert!(sent[0].starts_with("INSERT INTO"), "{sent:?}");
+    assert!(sent[1].starts_with("SELECT"), "{sent:?}");
+    assert!(sent[2].starts_with("WITH input"), "{sent:?}");
+    assert_eq!(again.token, 2, "the claim statement granted the next token");
+
+    backend
+        .complete(&again, Bytes::from_static(b"done"), RETENTION)
+        .await
+        .expect("complete");
+    seen.lock().expect("lock").clear();
+    let replay = backend
+        .claim(&claim("fresh-one", RETENTION))
+        .await
+        .expect("claim");
+    let sent = std::mem::take(&mut *seen.lock().expect("lock"));
+    assert!(
+        matches!(&replay, ClaimOutcome::Completed(r) if r.as_ref() == b"done"),
+        "{replay:?}"
+    );
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert!(sent[1].starts_with("SELECT"), "{sent:?}");
+}
+
 /// A settle notifies only keys someone watches: a notifying commit takes a database-wide
 /// lock until it has flushed, so notifying every settle serialised every complete. The
 /// settles of an unwatched and then a watched key reach a listener in commit order; the
