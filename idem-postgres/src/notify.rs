@@ -1,7 +1,8 @@
 //! Waking waiters ([`Backend::watch`](idem_core::Backend::watch)): a watch records its key
-//! in `idem_waiters`, triggers on the records table (`migrations/0003_settled_notify.sql`,
-//! `0004_notify_only_waiters.sql`, `0005_settled_notify_per_statement.sql`) notify the channel `idem_settled` at the commit of a
-//! settle of such a key, and one `LISTEN` connection per backend (taken from its pool)
+//! in `idem_waiters` and marks its record watched; triggers on the records table
+//! (`migrations/0003_settled_notify.sql`, `0004_notify_only_waiters.sql`,
+//! `0006_settled_notify_watched_rows.sql`) notify the channel `idem_settled` at the commit
+//! of a settle of such a key, and one `LISTEN` connection per backend (taken from its pool)
 //! forwards the settled keys to the waiters in process.
 
 use std::time::Duration;

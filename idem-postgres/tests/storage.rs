@@ -499,9 +499,9 @@ async fn only_watched_keys_are_notified_when_settled() {
     assert_eq!(rows, 1, "one waiter row, for the watched key");
 }
 
-/// The trigger looks for waiters once per statement (migration 0005) and notifies what the
-/// per-row one did: of one batch settle only its watched keys, a release (attempts handed
-/// back), not an extend (still Processing, same attempts).
+/// Only watched records notify (migration 0006): of one batch settle only its watched
+/// keys; a release (attempts handed back), not an extend (still Processing, same
+/// attempts); and a key watched before its record existed (its claim marks the record).
 #[tokio::test]
 async fn a_batch_settle_notifies_its_watched_keys_and_a_release_but_not_an_extend() {
     let backend = common::backend().await;
@@ -509,6 +509,9 @@ async fn a_batch_settle_notifies_its_watched_keys_and_a_release_but_not_an_exten
         .await
         .expect("listen connection");
     listener.listen("idem_settled").await.expect("LISTEN");
+    let early = Key::new("ns", "early").expect("key");
+    let _early_watch = backend.watch(&early).await;
+    let early = acquire(&backend, &claim("early", RETENTION)).await;
     let mut leases = Vec::new();
     for id in ["quiet", "batch-watched", "extended", "released", "last"] {
         leases.push(acquire(&backend, &claim(id, RETENTION)).await);
@@ -535,6 +538,10 @@ async fn a_batch_settle_notifies_its_watched_keys_and_a_release_but_not_an_exten
         .expect("extend");
     backend.release(released).await.expect("release");
     backend
+        .complete(&early, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .expect("complete");
+    backend
         .complete(last, Bytes::from_static(b"r"), RETENTION)
         .await
         .expect("complete");
@@ -553,5 +560,9 @@ async fn a_batch_settle_notifies_its_watched_keys_and_a_release_but_not_an_exten
         .iter()
         .map(|p| p.rsplit(':').next().unwrap_or(""))
         .collect();
-    assert_eq!(ids, ["batch-watched", "released", "last"], "{seen:?}");
+    assert_eq!(
+        ids,
+        ["batch-watched", "released", "early", "last"],
+        "{seen:?}"
+    );
 }
