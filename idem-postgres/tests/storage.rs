@@ -462,6 +462,15 @@ async fn one_fresh_claim_is_one_insert_and_a_duplicates_an_insert_and_a_read() {
     assert!(sent[1].starts_with("SELECT"), "{sent:?}");
 }
 
+/// A connection listening on the channel the settle triggers notify.
+async fn settled_listener(backend: &PgBackend) -> sqlx::postgres::PgListener {
+    let mut listener = sqlx::postgres::PgListener::connect_with(backend.pool())
+        .await
+        .expect("listen connection");
+    listener.listen("idem_settled").await.expect("LISTEN");
+    listener
+}
+
 /// A settle notifies only keys someone watches: a notifying commit takes a database-wide
 /// lock until it has flushed, so notifying every settle serialised every complete. The
 /// settles of an unwatched and then a watched key reach a listener in commit order; the
@@ -469,10 +478,7 @@ async fn one_fresh_claim_is_one_insert_and_a_duplicates_an_insert_and_a_read() {
 #[tokio::test]
 async fn only_watched_keys_are_notified_when_settled() {
     let backend = common::backend().await;
-    let mut listener = sqlx::postgres::PgListener::connect_with(backend.pool())
-        .await
-        .expect("listen connection");
-    listener.listen("idem_settled").await.expect("LISTEN");
+    let mut listener = settled_listener(&backend).await;
     let unwatched = acquire(&backend, &claim("unwatched", RETENTION)).await;
     let watched = acquire(&backend, &claim("watched", RETENTION)).await;
     let _watch = backend.watch(&watched.key).await;
@@ -505,10 +511,7 @@ async fn only_watched_keys_are_notified_when_settled() {
 #[tokio::test]
 async fn a_batch_settle_notifies_its_watched_keys_and_a_release_but_not_an_extend() {
     let backend = common::backend().await;
-    let mut listener = sqlx::postgres::PgListener::connect_with(backend.pool())
-        .await
-        .expect("listen connection");
-    listener.listen("idem_settled").await.expect("LISTEN");
+    let mut listener = settled_listener(&backend).await;
     let early = Key::new("ns", "early").expect("key");
     let _early_watch = backend.watch(&early).await;
     let early = acquire(&backend, &claim("early", RETENTION)).await;
