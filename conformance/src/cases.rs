@@ -17,6 +17,7 @@ pub use crate::batch::{release_hands_back, settle_many_agrees};
 pub use crate::failures::{closed_port, corrupt_record, oversized_response, silent_server};
 pub use crate::waiting::{
     wait_max_elapses, wait_survives_lost_notification, wait_wakes_on_complete,
+    wait_watches_only_a_key_in_progress,
 };
 
 const HOUR: Duration = Duration::from_secs(3600);

@@ -1,6 +1,7 @@
 //! A layer that logs every call a caller makes to a real backend, with its batch size, so
 //! a test can count round trips (how many store calls a poll batch costs).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures::FutureExt;
@@ -13,13 +14,15 @@ use tokio::sync::watch;
 pub type Counting<B> = Layered<B, CallLog>;
 
 /// Logs each call as `(operation, items)`: `("claim_many", 12)`, `("complete", 1)`, ...
-/// Every call reaches the wrapped backend; `watch` is not logged (no round trip). Clones
-/// share the log.
+/// Every call reaches the wrapped backend. `watch` is not a round trip of its own and is
+/// only counted ([`CallLog::watches`]). Clones share the log.
 #[derive(Debug, Clone)]
 pub struct CallLog {
     log: Arc<Mutex<Vec<(&'static str, usize)>>>,
     /// How many `claim` calls have answered.
     answered: Arc<watch::Sender<usize>>,
+    /// How many watches were taken.
+    watches: Arc<AtomicUsize>,
 }
 
 impl Default for CallLog {
@@ -27,6 +30,7 @@ impl Default for CallLog {
         CallLog {
             log: Arc::default(),
             answered: Arc::new(watch::channel(0).0),
+            watches: Arc::default(),
         }
     }
 }
@@ -40,6 +44,11 @@ impl CallLog {
     /// The calls so far, in order.
     pub fn calls(&self) -> Vec<(&'static str, usize)> {
         self.log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// How many times [`Backend::watch`](idem_core::Backend::watch) was called.
+    pub fn watches(&self) -> usize {
+        self.watches.load(Ordering::Relaxed)
     }
 
     /// Returns once `n` `claim` calls have answered (whatever they answered).
@@ -75,5 +84,10 @@ impl Around for CallLog {
             answer
         }
         .boxed()
+    }
+
+    fn watch(&self, _key: &idem_core::Key) -> Option<idem_core::watch::Watch> {
+        self.watches.fetch_add(1, Ordering::Relaxed);
+        None
     }
 }

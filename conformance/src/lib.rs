@@ -263,6 +263,7 @@ macro_rules! suite {
             wait_wakes_on_complete,
             wait_survives_lost_notification,
             wait_max_elapses,
+            wait_watches_only_a_key_in_progress,
         );
     };
     (@cases $factory:expr; $($case:ident),* $(,)?) => {

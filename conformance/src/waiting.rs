@@ -33,6 +33,8 @@ struct Waited {
     notify: bool,
     poll: Duration,
     max: Duration,
+    /// How many watches the waiter took.
+    watches: usize,
 }
 
 /// Holds a key with the fixture's backend, runs a waiting engine on it with the `poll`
@@ -86,6 +88,7 @@ async fn wait_on<F: Factory>(
         notify,
         poll,
         max,
+        watches: log.watches(),
     }
 }
 
@@ -108,6 +111,7 @@ pub async fn wait_wakes_on_complete<F: Factory>(f: &F) {
         waited.outcome,
         Outcome::Replayed(Bytes::from_static(b"the holder's response"))
     );
+    assert_eq!(waited.watches, 1, "a waiter watches its key once");
     if notify {
         assert!(
             waited.after < poll / 2,
@@ -148,5 +152,36 @@ pub async fn wait_max_elapses<F: Factory>(f: &F) {
         waited.after >= max * 3 / 4,
         "answered after {:?}, before max ({max:?}) ran out",
         waited.after
+    );
+}
+
+/// A waiting engine watches a key only once a claim has found it in progress: a free
+/// key's `execute` is one claim and one complete, with no watch (on PostgreSQL a watch is
+/// a statement of its own).
+pub async fn wait_watches_only_a_key_in_progress<F: Factory>(f: &F) {
+    let fx = f.setup().await;
+    real_time(&fx);
+    let key = fx.key("free");
+    let log = CallLog::new();
+    let tap = Arc::new(Arc::new(fx.backend).layer(log.clone()));
+    let engine = Engine::builder(tap)
+        .owner("waiter")
+        .lease_ttl(fx.lease)
+        .wait(WaitPolicy::Wait {
+            poll: fx.lease,
+            max: 10 * fx.lease,
+        })
+        .build()
+        .expect("engine");
+    let outcome = engine
+        .execute(&key, b"p", |_| async { Ok(Bytes::from_static(b"ran")) })
+        .await
+        .expect("execute");
+    assert_eq!(outcome, Outcome::Executed(Bytes::from_static(b"ran")));
+    assert_eq!(log.watches(), 0, "a free key was watched");
+    let calls = log.calls();
+    assert!(
+        matches!(calls[..], [("claim", 1), (_, 1)]),
+        "a free key's execute: {calls:?}"
     );
 }

@@ -193,7 +193,9 @@ pub trait Backend: Send + Sync {
     /// this call (a settle of the key: complete, fail, release, delete), or when its
     /// timeout passes. Take it before reading the record, then read, then wait: a change
     /// between the read and the wait still wakes it. A wake is only a hint to read again; a
-    /// lost notification costs the caller one timeout, never a hang. Backends with
+    /// lost notification costs the caller one timeout, never a hang. A backend may cover
+    /// only a record that exists when the watch is taken (PostgreSQL marks it); the engine
+    /// watches a key only after a claim found it in progress. Backends with
     /// [`Capabilities::notify`] override it; the default never wakes (polling).
     async fn watch(&self, key: &Key) -> Watch {
         let _ = key;

@@ -466,12 +466,17 @@ impl Engine {
 
     async fn claim_waiting(&self, claim: &Claim) -> Result<ClaimOutcome> {
         let backend = &self.inner.backend;
-        let WaitPolicy::Wait { poll, max } = self.inner.wait else {
-            return backend.claim(claim).await;
-        };
         let start = tokio::time::Instant::now();
-        // Watch before the first read: a settle between the read and the wait still wakes.
-        // A backend slow to subscribe (its first connect) gets no more than `max`.
+        let first = backend.claim(claim).await?;
+        let (WaitPolicy::Wait { poll, max }, ClaimOutcome::InProgress { .. }) =
+            (self.inner.wait, &first)
+        else {
+            return Ok(first);
+        };
+        // Only a key found in progress is watched, so a free key's claim stays one call.
+        // The watch comes before the next read: a settle since the first read shows in
+        // that read, and one after it wakes the watch. A backend slow to subscribe (its
+        // first connect) gets no more than `max`.
         let mut watch = tokio::time::timeout(max, backend.watch(&claim.key))
             .await
             .unwrap_or_default();

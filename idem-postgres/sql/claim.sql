@@ -4,9 +4,6 @@
 -- (ms). The database clock now() decides; it is fixed for the
 -- whole statement, so every condition below sees the same instant.
 --
--- A new record is marked `watched` when someone already waits on its key (see
--- migrations/0006_settled_notify_watched_rows.sql).
---
 -- `fresh` first inserts every key with ON CONFLICT DO NOTHING: a key that does not exist
 -- costs that insert and nothing else, since everything after it is driven by `rest`, the
 -- keys that conflicted, which is then empty.
@@ -27,12 +24,10 @@ WITH input AS (
 fresh AS (
     INSERT INTO {schema}.idem_records AS r
         (namespace, id, state, owner, token, attempts, max_attempts, claim_kind, lease_until,
-         fingerprint, response, error, permanent, expires_at, updated_at, watched)
+         fingerprint, response, error, permanent, expires_at, updated_at)
     SELECT namespace, id, 'processing', owner, 1, 1, max_attempts, 'first',
            now() + ttl_ms * interval '1 millisecond', fingerprint, NULL, NULL, false,
-           now() + (ttl_ms + retention_ms) * interval '1 millisecond', now(),
-           EXISTS (SELECT 1 FROM {schema}.idem_waiters w
-                   WHERE w.namespace = i.namespace AND w.id = i.id)
+           now() + (ttl_ms + retention_ms) * interval '1 millisecond', now()
     FROM input i
     ON CONFLICT (namespace, id) DO NOTHING
     RETURNING r.*
@@ -51,12 +46,10 @@ current AS (
 claimed AS (
     INSERT INTO {schema}.idem_records AS r
         (namespace, id, state, owner, token, attempts, max_attempts, claim_kind, lease_until,
-         fingerprint, response, error, permanent, expires_at, updated_at, watched)
+         fingerprint, response, error, permanent, expires_at, updated_at)
     SELECT namespace, id, 'processing', owner, 1, 1, max_attempts, 'first',
            now() + ttl_ms * interval '1 millisecond', fingerprint, NULL, NULL, false,
-           now() + (ttl_ms + retention_ms) * interval '1 millisecond', now(),
-           EXISTS (SELECT 1 FROM {schema}.idem_waiters w
-                   WHERE w.namespace = i.namespace AND w.id = i.id)
+           now() + (ttl_ms + retention_ms) * interval '1 millisecond', now()
     FROM rest i
     WHERE NOT EXISTS (
         SELECT 1 FROM current c

@@ -5,15 +5,12 @@
 -- no row when the key exists: the caller then reads it (claim_read.sql), and runs
 -- claim.sql only if the claim could take it. For one key claim.sql costs about twice this
 -- insert on the server even when the key is new (its other parts start up empty); the
--- insert of an existing key writes nothing (README, "A fresh key's claim"). The record
--- is marked `watched` when someone already waits on the key (migration 0006).
+-- insert of an existing key writes nothing (README, "A fresh key's claim").
 INSERT INTO {schema}.idem_records AS r
     (namespace, id, state, owner, token, attempts, max_attempts, claim_kind, lease_until,
-     fingerprint, response, error, permanent, expires_at, updated_at, watched)
+     fingerprint, response, error, permanent, expires_at, updated_at)
 VALUES ($1::text, $2::text, 'processing', $3::text, 1, 1, greatest($6::int4, 1), 'first',
         now() + $4::int8 * interval '1 millisecond', $5::bytea, NULL, NULL, false,
-        now() + ($4::int8 + $7::int8) * interval '1 millisecond', now(),
-        EXISTS (SELECT 1 FROM {schema}.idem_waiters w
-                WHERE w.namespace = $1::text AND w.id = $2::text))
+        now() + ($4::int8 + $7::int8) * interval '1 millisecond', now())
 ON CONFLICT (namespace, id) DO NOTHING
 RETURNING ceil(extract(epoch FROM lease_until) * 1000)::int8 AS lease_until_ms{commit_mode}
