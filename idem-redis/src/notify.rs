@@ -1,6 +1,7 @@
 //! Waking waiters ([`Backend::watch`](idem_core::Backend::watch)): `lua/settle.lua`
-//! publishes every key it settles on `<prefix>settled`, and one subscriber connection per
-//! backend forwards those keys to the waiters in process.
+//! publishes the keys each call settles on `<prefix>settled`, in one message joined by NUL
+//! bytes (no key holds one), and one subscriber connection per backend forwards those keys
+//! to the waiters in process.
 //!
 //! In a cluster the function's `PUBLISH` reaches every node (Redis forwards classic pub/sub
 //! over the cluster bus), so the subscriber needs one node only; each reconnect tries the
@@ -33,14 +34,39 @@ impl RedisBackend {
                     let limit = config.timeout();
                     let mut pubsub = within("subscribe", limit, client.get_async_pubsub()).await?;
                     within("subscribe", limit, pubsub.subscribe(&channel)).await?;
-                    let keys = pubsub.into_on_message().filter_map(|msg| {
-                        let key = String::from_utf8(msg.get_payload_bytes().to_vec()).ok();
-                        std::future::ready(key)
+                    let keys = pubsub.into_on_message().flat_map(|msg| {
+                        futures::stream::iter(settled_keys(msg.get_payload_bytes()))
                     });
                     Ok(keys.boxed())
                 }
                 .boxed()
             }),
         )
+    }
+}
+
+/// The keys of one message on the settled channel: Redis keys joined by NUL bytes. A part
+/// that is not UTF-8 is no key of ours and is skipped.
+fn settled_keys(payload: &[u8]) -> Vec<String> {
+    payload
+        .split(|&b| b == 0)
+        .filter_map(|key| std::str::from_utf8(key).ok())
+        .filter(|key| !key.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::settled_keys;
+
+    #[test]
+    fn a_message_names_each_settled_key() {
+        assert_eq!(settled_keys(b"idem:ns:a"), ["idem:ns:a"]);
+        assert_eq!(
+            settled_keys(b"idem:ns:a\0idem:ns:b\nc"),
+            ["idem:ns:a", "idem:ns:b\nc"]
+        );
+        assert_eq!(settled_keys(b"idem:ns:a\0\xff\0"), ["idem:ns:a"]);
     }
 }

@@ -8,7 +8,11 @@ mod common;
 use bytes::Bytes;
 use common::{HOUR, PrivateServer, claim, connect, fresh_batch, raw, standalone_config};
 use conformance::{service_env, unique_namespace};
-use idem_core::{Backend, ClaimKind, ClaimOutcome, Error, Key, Lease, State, Timestamp};
+use std::time::Duration;
+
+use idem_core::{
+    Backend, ClaimKind, ClaimOutcome, Error, Key, Lease, Settlement, State, Timestamp,
+};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::ConnectionLike;
 
@@ -99,6 +103,49 @@ async fn fresh_keys_and_replays_need_no_script() {
     let after = calls(&mut conn, &counted).await;
     assert_eq!(after[0] - before[0], 0, "a replay runs no script");
     assert_eq!(after[3] - before[3], 0, "a replay calls no function");
+}
+
+/// A batch settle reads its records in one `MGET` and announces its keys in one
+/// `PUBLISH`; a waiter on each settled key wakes, and a waiter on a key left alone does
+/// not.
+#[tokio::test]
+async fn a_batch_settle_is_one_read_and_one_announcement_that_wakes_each_key() {
+    let server = PrivateServer::start().await;
+    let backend = connect(RedisConfig::new(server.url())).await;
+    let mut conn = raw(&server.url()).await;
+    let batch = fresh_batch(3);
+    let leases: Vec<Lease> = backend
+        .claim_many(&batch)
+        .await
+        .expect("claim_many")
+        .into_iter()
+        .map(acquired)
+        .collect();
+    let mut watches = Vec::new();
+    for lease in &leases {
+        watches.push(backend.watch(&lease.key).await);
+    }
+    let counted = ["mget", "publish", "get"];
+    let before = calls(&mut conn, &counted).await;
+    let settled: Vec<Settlement> = leases[..2]
+        .iter()
+        .map(|lease| Settlement::complete(lease.clone(), Bytes::from_static(b"ok")))
+        .collect();
+    let answers = backend.settle_many(&settled, HOUR).await.expect("settle");
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    let after = calls(&mut conn, &counted).await;
+    assert_eq!(after[0] - before[0], 1, "MGET calls");
+    assert_eq!(after[1] - before[1], 1, "PUBLISH calls");
+    assert_eq!(after[2] - before[2], 0, "GET calls");
+    let [first, second, left] = &mut watches[..] else {
+        unreachable!("three watches");
+    };
+    assert!(first.changed(Duration::from_secs(10)).await, "first key");
+    assert!(second.changed(Duration::from_secs(10)).await, "second key");
+    assert!(
+        !left.changed(Duration::from_millis(300)).await,
+        "a key nobody settled woke"
+    );
 }
 
 async fn server_now(conn: &mut impl ConnectionLike) -> u64 {
