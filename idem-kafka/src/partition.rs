@@ -61,9 +61,10 @@ pub(crate) struct Item {
 }
 
 enum Kind {
-    /// The key and the payload's fingerprint, hashed as the batch is keyed; the claim is
-    /// built where it is sent ([`Worker::claim_of`]), so no copy of it is kept.
-    Keyed(idem_core::Key, Option<idem_core::Fingerprint>),
+    /// The payload's fingerprint, hashed as the batch is keyed (the key is the message's,
+    /// [`Message::key`]); the claim is built where it is sent ([`Worker::claim_of`]), so
+    /// no copy of it is kept.
+    Keyed(Option<idem_core::Fingerprint>),
     Unkeyed,
     Dead(Reason, String),
 }
@@ -220,7 +221,7 @@ impl Worker {
         let (msg, kind) = match s.key_source.extract(&s.namespace, &msg) {
             Extracted::Key(key) => {
                 let fingerprint = self.engine.fingerprint_of(msg.payload());
-                (msg.with_key(key.clone()), Kind::Keyed(key, fingerprint))
+                (msg.with_key(key), Kind::Keyed(fingerprint))
             }
             Extracted::Missing => match s.missing_key {
                 MissingKey::DeadLetter => {
@@ -249,7 +250,10 @@ impl Worker {
     /// fingerprint); `None` for a message without a key.
     fn claim_of(&self, item: &Item) -> Option<Claim> {
         match &item.kind {
-            Kind::Keyed(key, fingerprint) => Some(self.engine.claim_with(key, *fingerprint)),
+            Kind::Keyed(fingerprint) => {
+                let key = item.msg.key()?;
+                Some(self.engine.claim_with(key, *fingerprint))
+            }
             _ => None,
         }
     }
