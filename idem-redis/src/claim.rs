@@ -1,6 +1,7 @@
 //! Claims. A key with no record is claimed with a plain `SET … NX PX … GET` (pipelined for
-//! a batch), which writes the fresh record and its expiry; `PEXPIRETIME`, sent with it,
-//! gives the lease's deadline by the server's clock. Where `SET` found a record, a
+//! a batch), which writes the fresh record and its expiry; the server's `TIME`, sent
+//! ahead of it (in a cluster each key's `PEXPIRETIME`, sent after it), gives the lease's
+//! deadline by the server's clock. Where `SET` found a record, a
 //! completed or spent one is answered from the value it returned; the rest go to the claim
 //! function (`lua/claim.lua`, see `library.rs`), one call per batch per cluster slot.
 
@@ -11,6 +12,7 @@ use redis::Value;
 
 use crate::RedisBackend;
 use crate::backend::millis;
+use crate::conn::Conn;
 use crate::error::{bad_reply, from_redis};
 use crate::library::Function;
 use crate::record::{decode_record, fresh};
@@ -57,16 +59,24 @@ impl RedisBackend {
             .collect()
     }
 
-    /// One pipeline of `SET key <fresh record> NX PX <lease + retention - 1> GET` and
-    /// `PEXPIRETIME key` for the claims at `group` (one slot): each answer, or `None` where
-    /// the function must decide.
+    /// One pipeline of `SET key <fresh record> NX PX <lease + retention - 1> GET` for the
+    /// claims at `group` (one slot), and the server's clock: each answer, or `None` where
+    /// the function must decide. On one server the clock is one `TIME` ahead of the
+    /// `SET`s, so a lease granted ends at that time plus its ttl: never later than the
+    /// key's expiry (less the retention) says, which is what decides its lapse. In a
+    /// cluster a keyless `TIME` could run on another node, with another clock, so each key
+    /// is followed by its `PEXPIRETIME` instead.
     async fn set_nx(
         &self,
         keys: &[String],
         claims: &[Claim],
         group: &[usize],
     ) -> Result<Vec<Option<ClaimOutcome>>> {
+        let one_clock = matches!(self.conn, Conn::Single(_));
         let mut pipe = redis::pipe();
+        if one_clock {
+            pipe.cmd("TIME");
+        }
         for &i in group {
             let (c, retention) = (&claims[i], millis(claims[i].retention));
             pipe.cmd("SET")
@@ -76,26 +86,44 @@ impl RedisBackend {
                 .arg("PX")
                 .arg(millis(c.lease_ttl) + retention - 1)
                 .arg("GET");
-            pipe.cmd("PEXPIRETIME").arg(&keys[i]);
+            if !one_clock {
+                pipe.cmd("PEXPIRETIME").arg(&keys[i]);
+            }
         }
         let mut conn = self.conn.clone();
         let replies = self.call("claim", conn.pipe_on(None, pipe)).await?;
-        if replies.len() != 2 * group.len() {
+        let expected = if one_clock {
+            1 + group.len()
+        } else {
+            2 * group.len()
+        };
+        if replies.len() != expected {
             return Err(bad_reply("claim", format!("{replies:?}")));
         }
         let mut replies = replies.into_iter();
+        let now = if one_clock {
+            Some(server_time(replies.next())?)
+        } else {
+            None
+        };
         let mut out = Vec::with_capacity(group.len());
         for &i in group {
-            let (found, expire) = (replies.next(), replies.next());
-            let expire = match expire {
-                Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
-                Some(v) => int(&v).ok_or_else(|| bad_reply("claim", format!("{v:?}")))?,
-                None => return Err(bad_reply("claim", "no reply")),
+            let c = &claims[i];
+            let found = replies.next();
+            // The key's PEXPIRETIME, or the earliest it can be: TIME ran before the SET.
+            let expire = match now {
+                Some(now) => i64::try_from(now + millis(c.lease_ttl) + millis(c.retention) - 1)
+                    .map_err(|_| bad_reply("claim", "an expiry past i64"))?,
+                None => match replies.next() {
+                    Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
+                    Some(v) => int(&v).ok_or_else(|| bad_reply("claim", format!("{v:?}")))?,
+                    None => return Err(bad_reply("claim", "no reply")),
+                },
             };
             out.push(match found {
-                Some(Value::Nil) => Some(granted(&claims[i], expire)),
+                Some(Value::Nil) => Some(granted(c, expire)),
                 Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
-                Some(v) => settled(&claims[i], v, expire)?,
+                Some(v) => settled(c, v, expire)?,
                 None => return Err(bad_reply("claim", "no reply")),
             });
         }
@@ -151,6 +179,24 @@ fn granted(claim: &Claim, expire: i64) -> ClaimOutcome {
         lease_until,
         kind: ClaimKind::First,
     })
+}
+
+/// The server's clock in milliseconds, from the reply to `TIME` (seconds and microseconds).
+fn server_time(reply: Option<Value>) -> Result<u64> {
+    let part = |v: &Value| match v {
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
+        _ => None,
+    };
+    match &reply {
+        Some(Value::Array(parts)) => match &parts[..] {
+            [secs, micros] => part(secs)
+                .zip(part(micros))
+                .map(|(s, us)| s.saturating_mul(1000).saturating_add(us / 1000)),
+            _ => None,
+        },
+        _ => None,
+    }
+    .ok_or_else(|| bad_reply("claim", format!("TIME: {reply:?}")))
 }
 
 /// The answer to `claim` from the record `SET NX` found, where it needs neither the clock

@@ -52,7 +52,15 @@ async fn fresh_keys_and_replays_need_no_script() {
     let backend = connect(RedisConfig::new(server.url())).await;
     let mut conn = raw(&server.url()).await;
     let batch = fresh_batch(128);
-    let counted = ["evalsha", "eval", "set", "fcall", "function|load"];
+    let counted = [
+        "evalsha",
+        "eval",
+        "set",
+        "fcall",
+        "function|load",
+        "time",
+        "pexpiretime",
+    ];
     let before = calls(&mut conn, &counted).await;
     let lease = acquired(
         backend
@@ -72,6 +80,8 @@ async fn fresh_keys_and_replays_need_no_script() {
     assert_eq!(after[1] - before[1], 0, "EVAL calls");
     assert_eq!(after[2] - before[2], 129, "SET calls");
     assert_eq!(after[3] - before[3], 0, "FCALL calls");
+    assert_eq!(after[5] - before[5], 2, "TIME calls: one per claim call");
+    assert_eq!(after[6] - before[6], 0, "PEXPIRETIME calls");
 
     // The server has no idem library yet: the first complete finds its function missing,
     // loads the library and calls again.
@@ -95,7 +105,7 @@ async fn fresh_keys_and_replays_need_no_script() {
     let after = calls(&mut conn, &counted).await;
     let sent: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
     // (The SET is the function's own write: commandstats counts calls made inside it too.)
-    assert_eq!(sent, [0, 0, 1, 1, 0], "{counted:?} of a complete");
+    assert_eq!(sent, [0, 0, 1, 1, 0, 0, 0], "{counted:?} of a complete");
 
     let before = calls(&mut conn, &counted).await;
     let replay = backend.claim(&claim(&lease.key, "v")).await.expect("claim");
@@ -155,6 +165,8 @@ async fn server_now(conn: &mut impl ConnectionLike) -> u64 {
 
 /// A lease granted by `SET NX` ends where the key's server-side expiry says, less the
 /// retention: moving that expiry on the server moves the lease, whatever the client holds.
+/// The holder is told a deadline by the server's clock (its `TIME` ahead of the `SET`),
+/// never later than the expiry's.
 #[tokio::test]
 async fn the_server_clock_decides_lapse_on_the_fast_path() {
     let backend = connect(standalone_config()).await;
@@ -162,19 +174,25 @@ async fn the_server_clock_decides_lapse_on_the_fast_path() {
     let k = key("lapse");
     let record = backend.record_key(&k);
     let retention = HOUR.as_millis() as u64;
+    let before = server_now(&mut conn).await;
     let lease = acquired(backend.claim(&claim(&k, "a")).await.expect("claim"));
     let expire: u64 = redis::cmd("PEXPIRETIME")
         .arg(&record)
         .query_async(&mut conn)
         .await
         .expect("PEXPIRETIME");
-    assert_eq!(lease.lease_until.as_millis(), expire + 1 - retention);
+    let deadline = Timestamp::from_millis(expire + 1 - retention);
+    assert!(
+        lease.lease_until <= deadline && lease.lease_until.as_millis() >= before + 10_000,
+        "told {:?}; the server's clock was {before} before the claim, the expiry says {deadline:?}",
+        lease.lease_until
+    );
     let stored = backend.get(&k).await.expect("get").expect("record");
-    assert_eq!(stored.lease_until, Some(lease.lease_until));
+    assert_eq!(stored.lease_until, Some(deadline));
     assert_eq!(stored.expires_at, Some(Timestamp::from_millis(expire + 1)));
     let answer = backend.claim(&claim(&k, "b")).await.expect("claim");
     assert!(
-        matches!(&answer, ClaimOutcome::InProgress { owner, lease_until } if owner == "a" && *lease_until == lease.lease_until),
+        matches!(&answer, ClaimOutcome::InProgress { owner, lease_until } if owner == "a" && *lease_until == deadline),
         "{answer:?}"
     );
     // The client still thinks the lease has 10 s to run; the server ends it now.
