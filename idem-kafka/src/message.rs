@@ -23,7 +23,7 @@ struct Inner {
     timestamp: Option<i64>,
     message_key: Option<Bytes>,
     payload: Bytes,
-    headers: HeaderList,
+    headers: Option<OwnedHeaders>,
     key: Option<Key>,
     /// The message's share of the consumer's byte budget, given back when it is dropped.
     _ticket: Option<Ticket>,
@@ -42,9 +42,7 @@ impl Message {
                 timestamp: m.timestamp().to_millis(),
                 message_key: m.key().map(Bytes::copy_from_slice),
                 payload: m.payload().map(Bytes::copy_from_slice).unwrap_or_default(),
-                headers: m.headers().map_or_else(HeaderList::default, |h| {
-                    HeaderList::from_iter(h.iter().map(|h| (h.key, h.value)))
-                }),
+                headers: m.headers().map(|h| h.detach()),
                 key: None,
                 _ticket: Some(ticket),
             }),
@@ -60,7 +58,14 @@ impl Message {
         payload: Bytes,
         headers: &[(&str, &[u8])],
     ) -> Self {
-        let headers = HeaderList::from_iter(headers.iter().map(|(k, v)| (*k, Some(*v))));
+        let headers = (!headers.is_empty()).then(|| {
+            headers.iter().fold(OwnedHeaders::new(), |h, (k, v)| {
+                h.insert(rdkafka::message::Header {
+                    key: k,
+                    value: Some(*v),
+                })
+            })
+        });
         Message {
             inner: Arc::new(Inner {
                 topic: topic.into(),
@@ -118,21 +123,24 @@ impl Message {
 
     /// The value of the first header named `name`, if any.
     pub fn header(&self, name: &str) -> Option<&[u8]> {
-        self.headers()
-            .find(|(k, _)| *k == name)
-            .and_then(|(_, v)| v)
+        self.inner
+            .headers
+            .as_ref()?
+            .iter()
+            .find(|h| h.key == name)
+            .and_then(|h| h.value)
     }
 
     /// All headers in order, as (name, value) pairs.
     pub fn headers(&self) -> impl Iterator<Item = (&str, Option<&[u8]>)> {
-        self.inner.headers.iter()
+        self.inner
+            .headers
+            .iter()
+            .flat_map(|h| h.iter().map(|h| (h.key, h.value)))
     }
 
-    /// The headers as rdkafka's, for a message written on (a dead letter).
-    pub(crate) fn owned_headers(&self) -> OwnedHeaders {
-        self.headers().fold(OwnedHeaders::new(), |h, (key, value)| {
-            h.insert(rdkafka::message::Header { key, value })
-        })
+    pub(crate) fn raw_headers(&self) -> Option<&OwnedHeaders> {
+        self.inner.headers.as_ref()
     }
 
     /// The topic.
@@ -167,49 +175,6 @@ pub(crate) fn size(m: &BorrowedMessage<'_>) -> usize {
     m.payload_len() + m.key().map_or(0, <[u8]>::len) + headers
 }
 
-/// Headers copied out of a consumed message: every name in one string and every value in
-/// one buffer, so a message costs three allocations however many headers it has (rdkafka's
-/// own copy, `detach`, allocates per header).
-#[derive(Clone, Default)]
-struct HeaderList {
-    names: String,
-    values: Vec<u8>,
-    /// Per header: where its name ends in `names`, and where its value ends in `values`
-    /// (`None`: a header without a value). Each starts where the previous one ended.
-    ends: Vec<(usize, Option<usize>)>,
-}
-
-impl<'a> FromIterator<(&'a str, Option<&'a [u8]>)> for HeaderList {
-    fn from_iter<I: IntoIterator<Item = (&'a str, Option<&'a [u8]>)>>(headers: I) -> Self {
-        let mut list = HeaderList::default();
-        for (name, value) in headers {
-            list.names.push_str(name);
-            let value_end = value.map(|v| {
-                list.values.extend_from_slice(v);
-                list.values.len()
-            });
-            list.ends.push((list.names.len(), value_end));
-        }
-        list
-    }
-}
-
-impl HeaderList {
-    fn iter(&self) -> impl Iterator<Item = (&str, Option<&[u8]>)> {
-        let (mut name_at, mut value_at) = (0, 0);
-        self.ends.iter().map(move |&(name_end, value_end)| {
-            let name = self.names.get(name_at..name_end).unwrap_or_default();
-            name_at = name_end;
-            let value = value_end.map(|end| {
-                let v = self.values.get(value_at..end).unwrap_or_default();
-                value_at = end;
-                v
-            });
-            (name, value)
-        })
-    }
-}
-
 impl fmt::Debug for Message {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Message")
@@ -219,36 +184,5 @@ impl fmt::Debug for Message {
             .field("key", &self.key())
             .field("payload_bytes", &self.payload().len())
             .finish()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn headers_keep_their_order_names_and_values() {
-        let list = HeaderList::from_iter([
-            ("idem-key", Some(&b"k-1"[..])),
-            ("empty", Some(&b""[..])),
-            ("none", None),
-            ("idem-key", Some(&b"second"[..])),
-        ]);
-        let seen: Vec<_> = list.iter().collect();
-        assert_eq!(
-            seen,
-            [
-                ("idem-key", Some(&b"k-1"[..])),
-                ("empty", Some(&b""[..])),
-                ("none", None),
-                ("idem-key", Some(&b"second"[..])),
-            ]
-        );
-        let m = Message::new("t", 0, 0, None, Bytes::new(), &[("a", b"1"), ("b", b"22")]);
-        assert_eq!(m.header("b"), Some(&b"22"[..]));
-        assert_eq!(m.header("c"), None);
-        let owned = m.owned_headers();
-        let back: Vec<_> = owned.iter().map(|h| (h.key, h.value)).collect();
-        assert_eq!(back, [("a", Some(&b"1"[..])), ("b", Some(&b"22"[..]))]);
     }
 }
