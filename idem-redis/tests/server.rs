@@ -6,7 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{HOUR, PrivateServer, claim, cluster_config, connect, fresh_batch, raw, raw_cluster};
+use common::{
+    HOUR, PrivateServer, calls, claim, cluster_config, connect, fresh_batch, raw, raw_cluster,
+};
 use conformance::unique_namespace;
 use idem_core::{Backend, ClaimOutcome, Error, FailureKind, Key, Lease, Settlement, State};
 use idem_redis::{RedisBackend, RedisConfig};
@@ -25,15 +27,7 @@ async fn acquire(backend: &RedisBackend, key: &Key, owner: &str) -> Lease {
 
 /// How many times the server ran `FCALL` so far.
 async fn fcall_calls(conn: &mut impl ConnectionLike) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .expect("info");
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_fcall:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().expect("calls"))
+    calls(conn, &["fcall"]).await[0]
 }
 
 /// `FUNCTION FLUSH`: on every primary through a cluster connection.
@@ -72,9 +66,7 @@ async fn libraries(url: &str) -> Vec<String> {
 /// record; settling it is one function call.
 #[tokio::test]
 async fn a_batch_is_one_function_call() {
-    let server = PrivateServer::start().await;
-    let backend = connect(RedisConfig::new(server.url())).await;
-    let mut conn = raw(&server.url()).await;
+    let (_server, backend, mut conn) = common::private().await;
     let batch = fresh_batch(128);
     backend.claim(&batch[0]).await.expect("claim");
     backend
@@ -116,9 +108,7 @@ async fn a_batch_is_one_function_call() {
 /// missing (`ERR Function not found`), loads the library and calls again.
 #[tokio::test]
 async fn functions_reload_after_they_are_flushed() {
-    let server = PrivateServer::start().await;
-    let backend = connect(RedisConfig::new(server.url())).await;
-    let mut conn = raw(&server.url()).await;
+    let (server, backend, mut conn) = common::private().await;
     let (a, b, c) = (key("a"), key("b"), key("c"));
     let lease = acquire(&backend, &a, "w").await;
     let other = acquire(&backend, &b, "w").await;

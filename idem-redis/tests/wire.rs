@@ -6,36 +6,18 @@
 mod common;
 
 use bytes::Bytes;
-use common::{HOUR, PrivateServer, claim, connect, fresh_batch, raw, standalone_config};
+use common::{HOUR, calls, claim, connect, fresh_batch, raw, standalone_config};
 use conformance::{service_env, unique_namespace};
 use std::time::Duration;
 
 use idem_core::{
     Backend, ClaimKind, ClaimOutcome, Error, Key, Lease, Settlement, State, Timestamp,
 };
-use idem_redis::{RedisBackend, RedisConfig};
+use idem_redis::RedisBackend;
 use redis::aio::ConnectionLike;
 
 fn key(id: &str) -> Key {
     Key::new(unique_namespace(), id).expect("key")
-}
-
-/// Calls per command so far (`INFO commandstats`), for the commands named.
-async fn calls(conn: &mut impl ConnectionLike, commands: &[&str]) -> Vec<u64> {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .expect("info");
-    commands
-        .iter()
-        .map(|c| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(&format!("cmdstat_{c}:calls=")))
-                .and_then(|rest| rest.split(',').next())
-                .map_or(0, |n| n.parse().expect("calls"))
-        })
-        .collect()
 }
 
 fn acquired(answer: ClaimOutcome) -> Lease {
@@ -48,9 +30,7 @@ fn acquired(answer: ClaimOutcome) -> Lease {
 /// Counted on a server of this test's own, so no other test's commands mix in.
 #[tokio::test]
 async fn fresh_keys_and_replays_need_no_script() {
-    let server = PrivateServer::start().await;
-    let backend = connect(RedisConfig::new(server.url())).await;
-    let mut conn = raw(&server.url()).await;
+    let (_server, backend, mut conn) = common::private().await;
     let batch = fresh_batch(128);
     let counted = [
         "evalsha",
@@ -120,9 +100,7 @@ async fn fresh_keys_and_replays_need_no_script() {
 /// not.
 #[tokio::test]
 async fn a_batch_settle_is_one_read_and_one_announcement_that_wakes_each_key() {
-    let server = PrivateServer::start().await;
-    let backend = connect(RedisConfig::new(server.url())).await;
-    let mut conn = raw(&server.url()).await;
+    let (_server, backend, mut conn) = common::private().await;
     let batch = fresh_batch(3);
     let leases: Vec<Lease> = backend
         .claim_many(&batch)

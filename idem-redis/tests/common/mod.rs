@@ -134,3 +134,34 @@ impl Drop for PrivateServer {
         self.stop();
     }
 }
+
+/// Calls per command so far (`INFO commandstats`), for the commands named.
+pub async fn calls(conn: &mut impl redis::aio::ConnectionLike, commands: &[&str]) -> Vec<u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .expect("info");
+    commands
+        .iter()
+        .map(|c| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(&format!("cmdstat_{c}:calls=")))
+                .and_then(|rest| rest.split(',').next())
+                .map_or(0, |n| n.parse().expect("calls"))
+        })
+        .collect()
+}
+
+/// A private server, a backend on it and a raw connection to it, for a test that counts the
+/// server's commands.
+pub async fn private() -> (
+    PrivateServer,
+    RedisBackend,
+    redis::aio::MultiplexedConnection,
+) {
+    let server = PrivateServer::start().await;
+    let backend = connect(RedisConfig::new(server.url())).await;
+    let conn = raw(&server.url()).await;
+    (server, backend, conn)
+}
