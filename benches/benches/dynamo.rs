@@ -40,7 +40,7 @@ impl Bench {
     fn claim(&self, key: &Key, owner: &str) -> Claim {
         Claim {
             key: key.clone(),
-            owner: owner.to_owned(),
+            owner: owner.into(),
             lease_ttl: Duration::from_secs(30),
             fingerprint: Some(Fingerprint::of(b"payload")),
             max_attempts: 5,

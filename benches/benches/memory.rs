@@ -15,7 +15,7 @@ const HOUR: Duration = Duration::from_secs(3600);
 fn claim(id: u64, owner: &str) -> Claim {
     Claim {
         key: Key::new("bench", id.to_string()).expect("key"),
-        owner: owner.to_owned(),
+        owner: owner.into(),
         lease_ttl: Duration::from_secs(30),
         fingerprint: Some(Fingerprint::of(b"payload")),
         max_attempts: 5,

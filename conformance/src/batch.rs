@@ -78,7 +78,7 @@ pub async fn settle_many_agrees<F: Factory>(f: &F) {
     assert_eq!((poisoned.state, poisoned.permanent), (State::Failed, true));
     let stolen = get(4).await;
     assert_eq!(
-        (stolen.state, stolen.owner.as_str(), stolen.token),
+        (stolen.state, &*stolen.owner, stolen.token),
         (State::Processing, "b", taken.token),
         "a fenced item leaves its record alone"
     );

@@ -23,7 +23,7 @@ pub use crate::waiting::{
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn in_progress_by(answer: &ClaimOutcome, owner: &str) -> bool {
-    matches!(answer, ClaimOutcome::InProgress { owner: o, .. } if o == owner)
+    matches!(answer, ClaimOutcome::InProgress { owner: o, .. } if &**o == owner)
 }
 
 /// Panics unless `res` is `Fenced`. The panic names the caller's line, so a mutation run
@@ -46,7 +46,7 @@ pub async fn claim_new_key<F: Factory>(f: &F) {
         (lease.token, lease.attempts, lease.kind),
         (1, 1, ClaimKind::First)
     );
-    assert_eq!(lease.owner, "a");
+    assert_eq!(&*lease.owner, "a");
     let rec = fx
         .backend
         .get(&key)
@@ -54,7 +54,7 @@ pub async fn claim_new_key<F: Factory>(f: &F) {
         .expect("get")
         .expect("record exists");
     assert_eq!(rec.state, State::Processing);
-    assert_eq!((rec.owner.as_str(), rec.token, rec.attempts), ("a", 1, 1));
+    assert_eq!((&*rec.owner, rec.token, rec.attempts), ("a", 1, 1));
     assert_eq!(rec.fingerprint, Some(Fingerprint::of(b"p")));
     assert!(rec.lease_until.is_some());
 }
@@ -123,7 +123,7 @@ pub async fn claim_race<F: Factory>(f: &F) {
 }
 
 /// The granted leases, and the holders the other answers named; anything else panics.
-fn split_race(answers: Vec<ClaimOutcome>) -> (Vec<Lease>, Vec<String>) {
+fn split_race(answers: Vec<ClaimOutcome>) -> (Vec<Lease>, Vec<Arc<str>>) {
     let (mut winners, mut holders) = (Vec::new(), Vec::new());
     for answer in answers {
         match answer {
@@ -199,7 +199,7 @@ pub async fn fencing_foreign_lease<F: Factory>(f: &F) {
         "a record appeared"
     );
     let rec = b.get(&key).await.expect("get").expect("record");
-    assert_eq!((rec.state, rec.owner.as_str()), (State::Processing, "a"));
+    assert_eq!((rec.state, &*rec.owner), (State::Processing, "a"));
 }
 
 /// Invariant 2 inside one process: the engine gives every lease of a process the same
@@ -261,7 +261,7 @@ pub async fn one_winner_replay<F: Factory>(f: &F) {
     for i in 0u8..32 {
         let (backend, completes) = (Arc::clone(&backend), Arc::clone(&completes));
         let claim = idem_core::Claim {
-            owner: format!("w{i}"),
+            owner: format!("w{i}").into(),
             ..crate::claim_of(&key, "", fx.lease)
         };
         tasks.push(tokio::spawn(async move {
@@ -554,7 +554,7 @@ pub async fn heartbeat_extend<F: Factory>(f: &F) {
         fx.backend.extend(&l, fx.lease).await,
     );
     let rec = fx.backend.get(&key).await.expect("get").expect("record");
-    assert_eq!(rec.owner, "b");
+    assert_eq!(&*rec.owner, "b");
 }
 
 /// Records past their retention count as absent: the key starts afresh. Where the store
@@ -652,7 +652,7 @@ pub async fn claim_many_agrees<F: Factory>(f: &F) {
     let answers = b.claim_many(&batch).await.expect("claim_many");
     assert_eq!(answers.len(), batch.len());
     assert!(
-        matches!(&answers[0], ClaimOutcome::Acquired(l) if l.owner == "z" && l.token == 1),
+        matches!(&answers[0], ClaimOutcome::Acquired(l) if &*l.owner == "z" && l.token == 1),
         "{:?}",
         answers[0]
     );

@@ -122,7 +122,7 @@ pub async fn acquire<B: Backend + ?Sized>(backend: &B, claim: &Claim) -> Lease {
 pub fn claim_of(key: &Key, owner: &str, lease: Duration) -> Claim {
     Claim {
         key: key.clone(),
-        owner: owner.to_owned(),
+        owner: owner.into(),
         lease_ttl: lease,
         fingerprint: Some(Fingerprint::of(b"p")),
         max_attempts: 3,

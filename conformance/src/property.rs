@@ -2,6 +2,7 @@
 //! must give the same answers.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -97,7 +98,7 @@ enum Answer {
     },
     Completed(Bytes),
     InProgress {
-        owner: String,
+        owner: Arc<str>,
     },
     Poisoned {
         attempts: u32,
@@ -114,7 +115,7 @@ enum Answer {
 #[derive(Debug, PartialEq, Eq)]
 struct Seen {
     state: State,
-    owner: String,
+    owner: Arc<str>,
     token: u64,
     attempts: u32,
     fingerprint: Option<Fingerprint>,
@@ -186,8 +187,8 @@ impl Leases {
     }
 }
 
-fn owner_name(owner: u8) -> String {
-    format!("owner-{owner}")
+fn owner_name(owner: u8) -> Arc<str> {
+    format!("owner-{owner}").into()
 }
 
 async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCaseError> {

@@ -144,7 +144,7 @@ pub async fn wait_max_elapses<F: Factory>(f: &F) {
     .await;
     let max = waited.max;
     assert!(
-        matches!(&waited.outcome, Outcome::InProgress { owner, .. } if owner == "holder"),
+        matches!(&waited.outcome, Outcome::InProgress { owner, .. } if &**owner == "holder"),
         "expected InProgress by the holder, got {:?}",
         waited.outcome
     );

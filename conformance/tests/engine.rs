@@ -68,7 +68,7 @@ async fn heartbeat_keeps_a_long_handler_lease_alive() {
         .await
         .expect("b");
     assert!(
-        matches!(&answer, Outcome::InProgress { owner, .. } if owner == "a"),
+        matches!(&answer, Outcome::InProgress { owner, .. } if &**owner == "a"),
         "{answer:?}"
     );
     let done = run.await.expect("task").expect("execute");
@@ -116,7 +116,7 @@ async fn a_lost_lease_cancels_the_handler_and_yields_fenced() {
     assert_eq!(told.load(Ordering::SeqCst), 1, "the handler was told");
     let rec = backend.get(&k).await.expect("get").expect("record");
     assert_eq!(
-        (rec.state, rec.owner.as_str(), rec.token),
+        (rec.state, &*rec.owner, rec.token),
         (State::Processing, "b", 2)
     );
 }

@@ -53,7 +53,7 @@ impl RecordView {
             id: r.key.id().to_owned(),
             state: r.state.as_str(),
             permanent: r.permanent,
-            owner: r.owner.clone(),
+            owner: r.owner.to_string(),
             token: r.token,
             attempts: r.attempts,
             lease_until_ms: r.lease_until.map(Timestamp::as_millis),

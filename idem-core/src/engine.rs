@@ -48,7 +48,7 @@ pub enum Outcome<T = Bytes> {
     /// Another worker holds a live lease: ask again later, do not skip.
     InProgress {
         /// The holder.
-        owner: String,
+        owner: Arc<str>,
         /// When its lease lapses unless extended.
         lease_until: Timestamp,
     },
@@ -213,7 +213,7 @@ impl EngineBuilder {
         Ok(Engine {
             inner: Arc::new(Inner {
                 backend: self.backend,
-                owner,
+                owner: owner.into(),
                 lease_ttl: self.lease_ttl,
                 heartbeat,
                 retention: self.retention,
@@ -236,7 +236,7 @@ fn default_owner() -> String {
 #[derive(Debug)]
 struct Inner {
     backend: Arc<dyn Backend>,
-    owner: String,
+    owner: Arc<str>,
     lease_ttl: Duration,
     heartbeat: Duration,
     retention: Duration,

@@ -1,6 +1,7 @@
 //! The record kept per key, the claim request and its answers.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -96,8 +97,9 @@ pub struct Record {
     pub key: Key,
     /// Its state.
     pub state: State,
-    /// The worker that holds, or last held, the lease.
-    pub owner: String,
+    /// The worker that holds, or last held, the lease (shared: a record, its claim and
+    /// its lease hold the same string).
+    pub owner: Arc<str>,
     /// The fencing token: grows by one at every successful claim.
     pub token: u64,
     /// How many claims were granted so far.
@@ -122,8 +124,8 @@ pub struct Record {
 pub struct Claim {
     /// The key to claim.
     pub key: Key,
-    /// Who claims.
-    pub owner: String,
+    /// Who claims (the engine's owner, shared by every claim it makes).
+    pub owner: Arc<str>,
     /// How long the lease lasts unless extended.
     pub lease_ttl: Duration,
     /// The payload fingerprint, if payloads are checked.
@@ -151,7 +153,7 @@ pub struct Lease {
     /// The key.
     pub key: Key,
     /// The holder.
-    pub owner: String,
+    pub owner: Arc<str>,
     /// The fencing token; pass it to downstream stores so they can refuse stale writers.
     pub token: u64,
     /// This attempt's number, starting at 1.
@@ -172,7 +174,7 @@ pub enum ClaimOutcome {
     /// Another worker holds a live lease.
     InProgress {
         /// The holder.
-        owner: String,
+        owner: Arc<str>,
         /// When its lease lapses unless extended, as this backend judges it: a backend that
         /// allows for clock skew reports the deadline plus its margin.
         lease_until: Timestamp,

@@ -226,7 +226,7 @@ async fn a_retried_claim_after_a_lost_grant_answers_in_progress() {
     let backend = MemoryBackend::new().layer(chaos.clone()).layer(retry());
     chaos.lose_next_answers(1);
     match backend.claim(&claim("k")).await.expect("claim") {
-        ClaimOutcome::InProgress { owner, .. } => assert_eq!(owner, "w1"),
+        ClaimOutcome::InProgress { owner, .. } => assert_eq!(&*owner, "w1"),
         other => panic!("expected InProgress by its own owner, got {other:?}"),
     }
 }

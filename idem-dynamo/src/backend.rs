@@ -217,7 +217,7 @@ impl DynamoBackend {
             (":failed".to_owned(), s(State::Failed.as_str())),
             (":processing".to_owned(), s(State::Processing.as_str())),
             (":true".to_owned(), AttributeValue::Bool(true)),
-            (":owner".to_owned(), s(claim.owner.clone())),
+            (":owner".to_owned(), s(&*claim.owner)),
             (":zero".to_owned(), n(0)),
             (":one".to_owned(), n(1)),
             (":lease".to_owned(), n(lease.as_millis())),
@@ -319,7 +319,7 @@ impl DynamoBackend {
     ) -> Result<()> {
         values.extend([
             (":tok".to_owned(), n(lease.token)),
-            (":owner".to_owned(), s(lease.owner.clone())),
+            (":owner".to_owned(), s(&*lease.owner)),
             (":processing".to_owned(), s(State::Processing.as_str())),
             (":now".to_owned(), n(t.decide.as_millis())),
             (":v".to_owned(), n(item::new_version())),

@@ -105,7 +105,7 @@ pub(crate) fn encode(record: &Record, version: u64) -> Item {
     let mut item = Item::new();
     item.insert(PK.into(), s(partition_key(&record.key)));
     item.insert(ST.into(), s(record.state.as_str()));
-    item.insert(OWNER.into(), s(record.owner.clone()));
+    item.insert(OWNER.into(), s(&*record.owner));
     item.insert(TOK.into(), n(record.token));
     item.insert(ATT.into(), n(u64::from(record.attempts)));
     item.insert(VER.into(), n(version));
@@ -208,7 +208,7 @@ pub(crate) fn decode(item: &Item) -> Result<Record> {
     Ok(Record {
         key,
         state,
-        owner: r.required(OWNER, r.string(OWNER))?.to_owned(),
+        owner: r.required(OWNER, r.string(OWNER))?.into(),
         token: r.required(TOK, r.number(TOK))?,
         attempts,
         lease_until: r.number(LEASE)?.map(Timestamp::from_millis),

@@ -57,7 +57,7 @@ async fn the_skew_margin_keeps_a_fast_clock_from_taking_a_live_lease() {
         .expect("claim")
     {
         ClaimOutcome::InProgress { owner, lease_until } => {
-            assert_eq!(owner, "holder");
+            assert_eq!(&*owner, "holder");
             let margin = Duration::from_millis(400);
             assert_eq!(lease_until, lease.lease_until.saturating_add(margin));
         }

@@ -793,7 +793,8 @@ impl Worker {
                 Ok(Outcome::InProgress { owner, lease_until }) => {
                     // This worker held the key a moment ago (a duplicate earlier in the
                     // batch): ask once more before waiting.
-                    if owner == self.engine.owner() && !std::mem::replace(&mut asked_again, true) {
+                    if &*owner == self.engine.owner() && !std::mem::replace(&mut asked_again, true)
+                    {
                         continue;
                     }
                     self.counters.in_progress_waits.increment(1);

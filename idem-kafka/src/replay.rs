@@ -175,7 +175,7 @@ impl Replayer {
                 let sent = r.response.as_deref().map(decode).transpose()?;
                 sent.map_or(Previous::New, |(to, _)| Previous::Sent(to))
             }
-            State::Processing => Previous::InProgress(r.owner),
+            State::Processing => Previous::InProgress(r.owner.to_string()),
             State::Failed => Previous::Failed(r.error.unwrap_or_default()),
         })
     }
@@ -207,7 +207,9 @@ impl Replayer {
                 Replay::Sent { to, reset }
             }
             Outcome::Replayed(b) => Replay::AlreadySent(decode(&b)?.0),
-            Outcome::InProgress { owner, .. } => Replay::InProgress { owner },
+            Outcome::InProgress { owner, .. } => Replay::InProgress {
+                owner: owner.to_string(),
+            },
             Outcome::Failed { error, .. } => Replay::Failed(error),
             Outcome::Poisoned { attempts, error } => Replay::Failed(format!(
                 "the replay record {key} is poisoned after {attempts} attempts (last: {error}); \

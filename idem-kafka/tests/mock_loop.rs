@@ -645,7 +645,7 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
                     let i = {
                         let mut runs = runs.lock().unwrap();
                         runs.push((
-                            ctx.lease().owner.clone(),
+                            ctx.lease().owner.to_string(),
                             ctx.kind(),
                             std::time::Instant::now(),
                             None,
@@ -656,7 +656,7 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
                         tokio::time::sleep(Duration::from_secs(6)).await;
                     }
                     runs.lock().unwrap()[i].3 = Some(std::time::Instant::now());
-                    Ok(Bytes::from(ctx.lease().owner.clone()))
+                    Ok(Bytes::from(ctx.lease().owner.to_string()))
                 }
             });
         start(consumer, &recorder)

@@ -248,7 +248,7 @@ impl PgBackend {
                 for c in claims {
                     ns.push(c.key.namespace());
                     ids.push(c.key.id());
-                    owners.push(c.owner.as_str());
+                    owners.push(&*c.owner);
                     ttls.push(millis(c.lease_ttl));
                     fps.push(c.fingerprint.map(|f| f.0.to_vec()));
                     maxes.push(i32::try_from(c.max_attempts).unwrap_or(i32::MAX));
@@ -399,7 +399,7 @@ fn bind_one<'q>(query: PgQuery<'q>, c: &'q Claim) -> PgQuery<'q> {
     query
         .bind(c.key.namespace())
         .bind(c.key.id())
-        .bind(c.owner.as_str())
+        .bind(&*c.owner)
         .bind(millis(c.lease_ttl))
         .bind(c.fingerprint.map(|f| f.0.to_vec()))
         .bind(i32::try_from(c.max_attempts).unwrap_or(i32::MAX))
@@ -624,7 +624,7 @@ pub(crate) fn fenced<'q>(query: PgQuery<'q>, lease: &'q Lease) -> PgQuery<'q> {
         .bind(lease.key.namespace())
         .bind(lease.key.id())
         .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
-        .bind(lease.owner.as_str())
+        .bind(&*lease.owner)
 }
 
 pub(crate) fn fenced_error(lease: &Lease) -> Error {

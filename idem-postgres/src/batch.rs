@@ -159,7 +159,7 @@ impl PgBackend {
             ns.push(lease.key.namespace());
             ids.push(lease.key.id());
             tokens.push(i64::try_from(lease.token).unwrap_or(i64::MAX));
-            owners.push(lease.owner.as_str());
+            owners.push(&*lease.owner);
         }
         let query = sqlx::query(self.sql.lock_batch.sql())
             .bind(ns)

@@ -31,7 +31,7 @@ impl<'a> Round<'a> {
         self.ids.push(lease.key.id());
         self.tokens
             .push(i64::try_from(lease.token).unwrap_or(i64::MAX));
-        self.owners.push(lease.owner.as_str());
+        self.owners.push(&*lease.owner);
         let (action, response, error, permanent) = match &item.settle {
             Settle::Complete(response) => ("complete", Some(response.as_ref()), None, false),
             Settle::Fail { error, kind } => (

@@ -406,7 +406,7 @@ async fn a_message_taken_over_before_the_batch_locks_it_is_fenced_and_never_runs
         .expect("get")
         .expect("record");
     assert_eq!(
-        (rec.state, rec.owner.as_str(), rec.token),
+        (rec.state, &*rec.owner, rec.token),
         (State::Processing, "thief", thief.token)
     );
     assert_eq!(

@@ -145,7 +145,7 @@ impl RedisBackend {
         for &i in group {
             let c = &claims[i];
             let fingerprint = c.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]);
-            cmd.arg(&c.owner)
+            cmd.arg(c.owner.as_bytes())
                 .arg(millis(c.lease_ttl))
                 .arg(fingerprint)
                 .arg(c.max_attempts)

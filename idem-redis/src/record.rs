@@ -126,7 +126,7 @@ fn decode(key: &Key, raw: &[u8], expire: i64) -> Result<Option<Record>, &'static
     Ok(Some(Record {
         key: key.clone(),
         state,
-        owner,
+        owner: owner.into(),
         token,
         attempts,
         lease_until,
@@ -179,7 +179,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(rec.state, State::Processing);
-        assert_eq!((rec.token, rec.attempts, rec.owner.as_str()), (1, 1, "w:1"));
+        assert_eq!((rec.token, rec.attempts, &*rec.owner), (1, 1, "w:1"));
         assert_eq!(rec.expires_at, Some(Timestamp::from_millis(11_000)));
         assert_eq!(rec.lease_until, Some(Timestamp::from_millis(10_500)));
         assert_eq!(rec.fingerprint, claim.fingerprint);
@@ -226,7 +226,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(rec.state, State::Completed);
-        assert_eq!((rec.owner.as_str(), rec.token, rec.attempts), ("w", 3, 2));
+        assert_eq!((&*rec.owner, rec.token, rec.attempts), ("w", 3, 2));
         assert_eq!(rec.response, Some(Bytes::from_static(b"\xff\x00")));
         assert_eq!(
             (rec.lease_until, rec.error, rec.fingerprint),
@@ -237,7 +237,7 @@ mod tests {
         raw.extend_from_slice(&fp);
         raw.extend_from_slice(b"e,r");
         let rec = decode_record(&key(), string(&raw), 5).unwrap().unwrap();
-        assert_eq!(rec.owner, "a;");
+        assert_eq!(&*rec.owner, "a;");
         assert_eq!(rec.fingerprint, Some(Fingerprint(fp)));
         assert_eq!((rec.error.as_deref(), rec.permanent), (Some("e,r"), true));
         assert_eq!(decode_record(&key(), Value::Nil, 5).unwrap(), None);

@@ -58,7 +58,10 @@ fn decode_outcome_inner(claim: &Claim, value: &Value) -> Option<ClaimOutcome> {
         3 => {
             let owner = String::from_utf8(bytes(items.next()?)?.to_vec()).ok()?;
             let lease_until = millis(items.next()?)?;
-            ClaimOutcome::InProgress { owner, lease_until }
+            ClaimOutcome::InProgress {
+                owner: owner.into(),
+                lease_until,
+            }
         }
         4 => {
             let attempts = u32::try_from(int(items.next()?)?).ok()?;

@@ -66,7 +66,7 @@ pub(crate) fn decode(key: &Key, raw: &[u8]) -> Result<Record, &'static str> {
     Ok(Record {
         key: key.clone(),
         state,
-        owner,
+        owner: owner.into(),
         token: num(t)?,
         attempts: u32::try_from(num(n)?).map_err(|_| "too many attempts")?,
         lease_until: opt(l)?.map(Timestamp::from_millis),

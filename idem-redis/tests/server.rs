@@ -76,7 +76,7 @@ async fn a_batch_is_one_function_call() {
     let before = fcall_calls(&mut conn).await;
     let answers = backend.claim_many(&batch).await.expect("claim_many");
     assert_eq!(fcall_calls(&mut conn).await - before, 1);
-    assert!(matches!(&answers[0], ClaimOutcome::InProgress { owner, .. } if owner == "w"));
+    assert!(matches!(&answers[0], ClaimOutcome::InProgress { owner, .. } if &**owner == "w"));
     let mut settle = Vec::new();
     for (c, answer) in batch.iter().zip(&answers).skip(1) {
         match answer {
@@ -143,7 +143,7 @@ async fn functions_reload_after_they_are_flushed() {
         ClaimOutcome::Completed(Bytes::from_static(b"ok"))
     );
     assert!(matches!(&answers[1], ClaimOutcome::Poisoned { error, .. } if error == "no"));
-    assert!(matches!(&answers[2], ClaimOutcome::InProgress { owner, .. } if owner == "w"));
+    assert!(matches!(&answers[2], ClaimOutcome::InProgress { owner, .. } if &**owner == "w"));
     function_flush(&mut conn).await;
     backend.release(&third).await.expect("release");
     // Many calls at once after a flush: each loads the library (REPLACE) and succeeds.
@@ -249,7 +249,7 @@ async fn cluster_batches_span_slots_and_keep_order() {
             "{answer:?}"
         );
     }
-    assert!(matches!(&answers[128], ClaimOutcome::InProgress { owner, .. } if owner == "w"));
+    assert!(matches!(&answers[128], ClaimOutcome::InProgress { owner, .. } if &**owner == "w"));
     for k in &keys {
         let rec = backend.get(k).await.expect("get").expect("record");
         assert_eq!(rec.state, State::Processing);

@@ -170,7 +170,7 @@ async fn the_server_clock_decides_lapse_on_the_fast_path() {
     assert_eq!(stored.expires_at, Some(Timestamp::from_millis(expire + 1)));
     let answer = backend.claim(&claim(&k, "b")).await.expect("claim");
     assert!(
-        matches!(&answer, ClaimOutcome::InProgress { owner, lease_until } if owner == "a" && *lease_until == deadline),
+        matches!(&answer, ClaimOutcome::InProgress { owner, lease_until } if &**owner == "a" && *lease_until == deadline),
         "{answer:?}"
     );
     // The client still thinks the lease has 10 s to run; the server ends it now.

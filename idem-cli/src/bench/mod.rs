@@ -145,7 +145,7 @@ impl Keys {
     fn claim(&self, id: String, worker: u32) -> Result<Claim> {
         Ok(Claim {
             key: Key::new(self.namespace.clone(), id).map_err(|e| Error::Refused(e.to_string()))?,
-            owner: format!("bench-{worker}"),
+            owner: format!("bench-{worker}").into(),
             lease_ttl: Duration::from_secs(30),
             fingerprint: Some(Fingerprint::of(RESPONSE)),
             max_attempts: 5,

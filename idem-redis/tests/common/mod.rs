@@ -49,7 +49,7 @@ pub async fn raw_cluster() -> redis::cluster_async::ClusterConnection {
 pub fn claim(key: &Key, owner: &str) -> Claim {
     Claim {
         key: key.clone(),
-        owner: owner.to_owned(),
+        owner: owner.into(),
         lease_ttl: Duration::from_secs(10),
         fingerprint: Some(Fingerprint::of(b"p")),
         max_attempts: 3,
