@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use idem_core::{Error, FailureKind, Result, Settle, Settlement};
+use idem_core::{Error, FailureKind, Result, Settle, Settlement, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;
@@ -13,6 +13,11 @@ use crate::backend::millis;
 use crate::error::bad_reply;
 use crate::library::Function;
 use crate::record::fence;
+
+/// How long a lease must have left, by this client's clock, for its complete to keep the
+/// record's expiry (action `k` of `lua/settle.lua`): the clocks of client and server may
+/// disagree by less than this without a completed record expiring before its retention.
+const KEEP_MARGIN: Duration = Duration::from_secs(1);
 
 impl RedisBackend {
     /// [`Backend::settle_many`](idem_core::Backend::settle_many). Oversized responses are
@@ -72,11 +77,15 @@ impl RedisBackend {
             cmd.arg(&keys[i]);
         }
         cmd.arg(millis(retention)).arg(&self.shared.channel);
+        let now = Timestamp::now();
         for &i in group {
             let item = &items[i];
             cmd.arg(fence(&item.lease));
             match &item.settle {
-                Settle::Complete(response) => cmd.arg("c").arg(&response[..]),
+                Settle::Complete(response) => {
+                    let live = item.lease.lease_until.since(now) > KEEP_MARGIN;
+                    cmd.arg(if live { "k" } else { "c" }).arg(&response[..])
+                }
                 Settle::Fail { error, kind } => {
                     let action = if *kind == FailureKind::Permanent {
                         "F"

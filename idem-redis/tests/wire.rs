@@ -190,6 +190,76 @@ async fn the_server_clock_decides_lapse_on_the_fast_path() {
     assert!(matches!(res, Err(Error::Fenced { .. })), "{res:?}");
 }
 
+async fn pexpiretime(conn: &mut impl ConnectionLike, record: &str) -> u64 {
+    redis::cmd("PEXPIRETIME")
+        .arg(record)
+        .query_async(conn)
+        .await
+        .expect("PEXPIRETIME")
+}
+
+/// A complete under a lease with time left, settled with the claim's retention, keeps the
+/// key's expiry (the lease's end plus that retention, later than now plus retention), as
+/// PostgreSQL keeps `expires_at`. With another retention, or under a lease the client sees
+/// about to lapse, the record expires at the server's now plus the settle's retention.
+#[tokio::test]
+async fn a_complete_keeps_the_expiry_of_a_live_lease_settled_with_its_retention() {
+    let backend = connect(standalone_config()).await;
+    let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
+    let retention = HOUR.as_millis() as u64;
+
+    // Live lease (10 s), same retention: the expiry does not move.
+    let kept = key("keep");
+    let lease = acquired(backend.claim(&claim(&kept, "a")).await.expect("claim"));
+    let claimed = pexpiretime(&mut conn, &backend.record_key(&kept)).await;
+    backend
+        .complete(&lease, Bytes::from_static(b"kept"), HOUR)
+        .await
+        .expect("complete");
+    assert_eq!(
+        pexpiretime(&mut conn, &backend.record_key(&kept)).await,
+        claimed
+    );
+    let rec = backend.get(&kept).await.expect("get").expect("record");
+    assert_eq!(
+        (rec.state, rec.response.as_deref()),
+        (State::Completed, Some(&b"kept"[..]))
+    );
+
+    // Live lease, another retention: now plus that retention.
+    let other = key("other");
+    let lease = acquired(backend.claim(&claim(&other, "a")).await.expect("claim"));
+    let before = server_now(&mut conn).await;
+    backend
+        .complete(&lease, Bytes::from_static(b"other"), HOUR / 2)
+        .await
+        .expect("complete");
+    let after = server_now(&mut conn).await;
+    let expire = pexpiretime(&mut conn, &backend.record_key(&other)).await + 1;
+    assert!(
+        (before + retention / 2..=after + retention / 2).contains(&expire),
+        "expires at {expire}, settled between {before} and {after}"
+    );
+
+    // A lease the client sees lapse within the margin (300 ms): now plus retention.
+    let short = key("short");
+    let mut c = claim(&short, "a");
+    c.lease_ttl = Duration::from_millis(300);
+    let lease = acquired(backend.claim(&c).await.expect("claim"));
+    let claimed = pexpiretime(&mut conn, &backend.record_key(&short)).await;
+    let before = server_now(&mut conn).await;
+    backend
+        .complete(&lease, Bytes::from_static(b"short"), HOUR)
+        .await
+        .expect("complete");
+    let after = server_now(&mut conn).await;
+    let expire = pexpiretime(&mut conn, &backend.record_key(&short)).await + 1;
+    assert!(
+        expire != claimed + 1 && (before + retention..=after + retention).contains(&expire),
+        "expires at {expire} (claimed with {claimed}), settled between {before} and {after}"
+    );
+}
+
 async fn plant(backend: &RedisBackend, key: &Key, value: &str) {
     let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
     let _: () = redis::cmd("SET")
