@@ -44,18 +44,14 @@ macro_rules! registry {
             }];
             $(
                 #[cfg(feature = $feature)]
-                all.push(Registered {
-                    name: $name,
-                    feature: $feature,
-                    schemes: &[$($scheme),+],
-                    driver: Some(&$driver),
-                });
+                let driver: Option<&'static dyn Driver> = Some(&$driver);
                 #[cfg(not(feature = $feature))]
+                let driver: Option<&'static dyn Driver> = None;
                 all.push(Registered {
                     name: $name,
                     feature: $feature,
                     schemes: &[$($scheme),+],
-                    driver: None,
+                    driver,
                 });
             )*
             all
