@@ -447,39 +447,44 @@ fn granted(rec: &Record, kind: &str) -> Result<ClaimOutcome> {
 /// Decodes a row of the record columns; anything that is not an idem record is `Corrupt`.
 pub(crate) fn decode(row: &PgRow) -> Result<Record> {
     let get = |e: sqlx::Error| map("decode record", e);
-    let namespace: String = row.try_get("namespace").map_err(get)?;
-    let id: String = row.try_get("id").map_err(get)?;
+    // Text is borrowed from the row where it is copied anyway (the key, the owner): one
+    // allocation each, not a String and then its copy.
+    let namespace: &str = row.try_get("namespace").map_err(get)?;
+    let id: &str = row.try_get("id").map_err(get)?;
     let key = Key::new(namespace, id).map_err(|e| Error::Corrupt {
         message: "stored key is not a valid key".into(),
         source: Some(Box::new(e)),
     })?;
-    let state: String = row.try_get("state").map_err(get)?;
+    let state: &str = row.try_get("state").map_err(get)?;
     let state =
-        State::parse(&state).ok_or_else(|| Error::corrupt(format!("state {state:?} of {key}")))?;
+        State::parse(state).ok_or_else(|| Error::corrupt(format!("state {state:?} of {key}")))?;
     let token: i64 = row.try_get("token").map_err(get)?;
     let attempts: i32 = row.try_get("attempts").map_err(get)?;
-    let fingerprint: Option<Vec<u8>> = row.try_get("fingerprint").map_err(get)?;
+    let fingerprint: Option<&[u8]> = row.try_get("fingerprint").map_err(get)?;
     let fingerprint = match fingerprint {
         None => None,
-        Some(bytes) => Some(Fingerprint(bytes.try_into().map_err(|b: Vec<u8>| {
-            Error::corrupt(format!("fingerprint of {key} is {} bytes, not 32", b.len()))
+        Some(bytes) => Some(Fingerprint(bytes.try_into().map_err(|_| {
+            Error::corrupt(format!(
+                "fingerprint of {key} is {} bytes, not 32",
+                bytes.len()
+            ))
         })?)),
     };
     let time = |name: &str| -> Result<Option<Timestamp>> {
         let ms: Option<i64> = row.try_get(name).map_err(get)?;
         Ok(ms.map(|ms| Timestamp::from_millis(u64::try_from(ms).unwrap_or(0))))
     };
-    let response: Option<Vec<u8>> = row.try_get("response").map_err(get)?;
+    let response: Option<&[u8]> = row.try_get("response").map_err(get)?;
     Ok(Record {
         state,
-        owner: row.try_get("owner").map_err(get)?,
+        owner: Arc::from(row.try_get::<&str, _>("owner").map_err(get)?),
         token: u64::try_from(token)
             .map_err(|_| Error::corrupt(format!("negative token of {key}")))?,
         attempts: u32::try_from(attempts)
             .map_err(|_| Error::corrupt(format!("negative attempts of {key}")))?,
         lease_until: time("lease_until_ms")?,
         fingerprint,
-        response: response.map(Bytes::from),
+        response: response.map(Bytes::copy_from_slice),
         error: row.try_get("error").map_err(get)?,
         permanent: row.try_get("permanent").map_err(get)?,
         expires_at: time("expires_at_ms")?,
