@@ -347,8 +347,17 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
         }
         prop_assert_eq!(got, want, "step {} ({:?}) of {:?}", step, op, ops);
     }
+    let mut finals = Vec::with_capacity(keys.len());
     for k in &keys {
-        let got = store(fx.backend.get(k).await)?;
+        finals.push(store(fx.backend.get(k).await)?);
+    }
+    // The final reads count as operations too: a lease may not lapse under them either.
+    if real && since_move.elapsed() >= lease * 9 / 10 {
+        return Err(TestCaseError::reject(
+            "operations outran the lease: inconclusive",
+        ));
+    }
+    for (k, got) in keys.iter().zip(finals) {
         prop_assert_eq!(
             seen(got.as_ref()),
             seen(model.get(k)),
