@@ -60,6 +60,9 @@ const COMMIT_EVERY: Duration = Duration::from_secs(1);
 /// The largest poll batch the hand-written loops take, as idem's default `batch_size`.
 const BATCH: usize = 500;
 const SCHEMA: &str = "idem_kafka_bench";
+/// Every Redis key the bench writes starts with this: idem's records (its backend's prefix)
+/// and the hand-written loops' keys, so [`Stores::reset`] finds them all.
+const REDIS_PREFIX: &str = "idem_kafka_bench:";
 
 /// What every loop does per message besides its bookkeeping: read the key, answer.
 fn handle(key: Option<&[u8]>) -> Bytes {
@@ -209,7 +212,7 @@ impl Dedup {
 /// `n`-th.
 async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Duration {
     let consumer = stream_consumer(brokers, topic, "dedup");
-    let run = unique("run");
+    let run = unique(&format!("{REDIS_PREFIX}run"));
     let mut frame = HandLoop::new(&consumer, n);
     while let Some(batch) = frame.next().await {
         let keys = run_keys(&run, &batch);
@@ -489,11 +492,13 @@ fn ledger_row<'t>(
 /// Rates (messages per second) of each loop on each broker, for the summary.
 static RATES: Mutex<Vec<(String, &'static str, f64)>> = Mutex::new(Vec::new());
 
-/// Runs `run` `iters` times, noting each rate, and returns the total time measured.
+/// Runs `run` `iters` times, each after `reset` (not timed), noting each rate, and returns
+/// the total time measured.
 fn timed<F, Fut>(
     rt: &tokio::runtime::Runtime,
     iters: u64,
     (broker, which, n): (&str, &'static str, usize),
+    reset: &Stores,
     run: F,
 ) -> Duration
 where
@@ -503,6 +508,7 @@ where
     rt.block_on(async {
         let mut total = Duration::ZERO;
         for _ in 0..iters {
+            reset.reset().await;
             let took = run().await;
             let rate = n as f64 / took.as_secs_f64().max(1e-9);
             RATES
@@ -522,6 +528,57 @@ struct Stores {
     postgres: Option<PgBackend>,
 }
 
+impl Stores {
+    /// Empties what earlier iterations left in the stores: the bench's Redis keys and its
+    /// PostgreSQL tables. Each iteration then starts on the same empty store; left to
+    /// pile up (several million keys over a run), a growing Redis keyspace resized its
+    /// tables under whichever loop was running, and the hand-written Redis loop's medians
+    /// moved by 2x from run to run.
+    async fn reset(&self) {
+        if let Some((_, raw)) = &self.redis {
+            let mut conn = raw.clone();
+            let mut cursor = 0u64;
+            loop {
+                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(format!("{REDIS_PREFIX}*"))
+                    .arg("COUNT")
+                    .arg(10_000)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("SCAN");
+                if !keys.is_empty() {
+                    let () = redis::cmd("UNLINK")
+                        .arg(&keys)
+                        .query_async(&mut conn)
+                        .await
+                        .expect("UNLINK");
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        if let Some(pg) = &self.postgres {
+            let tables = [
+                "idem_records",
+                "idem_offsets",
+                "dedup",
+                "ledger",
+                "hand_offsets",
+            ]
+            .map(|t| format!("{SCHEMA}.{t}"))
+            .join(", ");
+            sqlx::query(sqlx::AssertSqlSafe(format!("TRUNCATE {tables}")))
+                .execute(pg.pool())
+                .await
+                .expect("TRUNCATE");
+        }
+    }
+}
+
 fn env(var: &str) -> Option<String> {
     match std::env::var(var) {
         Ok(v) if !v.trim().is_empty() => Some(v),
@@ -536,7 +593,7 @@ async fn stores() -> Stores {
     let redis = match env("IDEM_REDIS_URL") {
         None => None,
         Some(url) => {
-            let backend = RedisBackend::connect(RedisConfig::new(&url))
+            let backend = RedisBackend::connect(RedisConfig::new(&url).with_prefix(REDIS_PREFIX))
                 .await
                 .expect("connect the Redis backend");
             let client = redis::Client::open(url.as_str()).expect("redis url");
@@ -603,7 +660,7 @@ fn on_broker(
          run: &dyn Fn() -> futures::future::BoxFuture<'static, Duration>| {
             g.throughput(Throughput::Elements(n as u64));
             g.bench_function(which, |b| {
-                b.iter_custom(|iters| timed(rt, iters, (name, which, n), run))
+                b.iter_custom(|iters| timed(rt, iters, (name, which, n), stores, run))
             });
         };
     let (b, t) = (brokers.to_owned(), topic.to_owned());
@@ -777,7 +834,9 @@ fn profile(which: &str) {
     let brokers = cluster.bootstrap_servers();
     rt.block_on(produce(&brokers, &topic));
     let stores = if which.ends_with("_redis") || which.ends_with("_postgres") {
-        rt.block_on(stores())
+        let stores = rt.block_on(stores());
+        rt.block_on(stores.reset());
+        stores
     } else {
         Stores {
             redis: None,
