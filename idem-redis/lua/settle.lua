@@ -25,15 +25,13 @@ local function settle_one(key, v, prefix, action, text, px, keep)
   local semi = string.find(v, ';', at, true)
   if not semi then corrupt(key, 'not an idem record') end
   local new
-  if action == 'k' then
+  if action == 'c' or action == 'k' then
     new = 'C' .. string.sub(v, 2, semi) .. text
     -- The record's w is the digits between the last ':' and ';': keep = ':' .. retention.
-    if px and string.sub(v, semi - #keep, semi - 1) == keep then
+    if action == 'k' and px and string.sub(v, semi - #keep, semi - 1) == keep then
       redis.call('SET', key, new, 'KEEPTTL')
       return 1, new
     end
-  elseif action == 'c' then
-    new = 'C' .. string.sub(v, 2, semi) .. text
   elseif action == 'f' then
     new = 'F' .. string.sub(v, 2, semi) .. '0' .. text
   elseif action == 'F' then
