@@ -1,15 +1,17 @@
 //! A backlog of large messages consumed by a slow handler, in a process of its own so its
 //! peak resident memory can be read alone (the test `tests/memory.rs` runs it). It consumes
 //! a topic that already holds `messages` messages, each with an `idempotency-key` header,
-//! on the memory store, with a handler that sleeps `handler_ms`; once every message is
-//! settled it shuts down and prints one line:
+//! on the memory store, with a handler that sleeps `handler_ms`. Handlers wait until the
+//! consumer holds `hold_bytes` of fetched messages (0: they start at once), so the backlog
+//! reaches the byte bound whatever the broker's pace. Once every message is settled it shuts
+//! down and prints one line:
 //!
 //! `runs=<handler runs> distinct=<keys run> settled=<messages settled>
 //! peak_buffered=<largest sum of idem_kafka_buffered_bytes seen> vmhwm_kb=<peak RSS>
 //! elapsed_ms=<time from start to shutdown>`
 //!
 //! ```sh
-//! cargo run -p idem-kafka --example backlog -- <brokers> <topic> <group> <messages> <handler_ms> [max_buffered_bytes]
+//! cargo run -p idem-kafka --example backlog -- <brokers> <topic> <group> <messages> <handler_ms> <hold_bytes> [max_buffered_bytes]
 //! ```
 
 use std::collections::{HashMap, HashSet};
@@ -68,17 +70,17 @@ fn arg<T: std::str::FromStr>(args: &[String], i: usize, name: &str) -> Result<T,
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage =
-        "usage: backlog <brokers> <topic> <group> <messages> <handler_ms> [max_buffered_bytes]";
+    let usage = "usage: backlog <brokers> <topic> <group> <messages> <handler_ms> <hold_bytes> [max_buffered_bytes]";
     let [brokers, topic, group] = [0, 1, 2].map(|i| args.get(i).cloned());
     let (Some(brokers), Some(topic), Some(group)) = (brokers, topic, group) else {
         return Err(usage.into());
     };
     let messages: usize = arg(&args, 3, "messages")?;
     let handler_ms: u64 = arg(&args, 4, "handler_ms")?;
+    let hold_bytes: f64 = arg(&args, 5, "hold_bytes")?;
     let max_bytes: Option<usize> = args
-        .get(5)
-        .map(|_| arg(&args, 5, "max_buffered_bytes"))
+        .get(6)
+        .map(|_| arg(&args, 6, "max_buffered_bytes"))
         .transpose()?;
 
     let recorder = DebuggingRecorder::new();
@@ -98,6 +100,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let settled = Arc::new(Settled::default());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let counted = Arc::clone(&runs);
+    let (filled, held) = tokio::sync::watch::channel(hold_bytes <= 0.0);
     let mut builder = IdemConsumer::builder(config)
         .topics([topic.as_str()])
         .group(group)
@@ -108,7 +111,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .handler(move |msg, _ctx| {
             let runs = Arc::clone(&counted);
+            let mut held = held.clone();
             async move {
+                // The sender outlives the consumer, so this wait ends only when it is set.
+                let _ = held.wait_for(|filled| *filled).await;
                 tokio::time::sleep(Duration::from_millis(handler_ms)).await;
                 let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
                 *runs.lock().expect("lock").entry(id).or_default() += 1;
@@ -121,11 +127,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let began = std::time::Instant::now();
     let running = tokio::spawn(builder.build()?.run());
 
-    // Samples the gauge (summed over partitions) while waiting for every message.
+    // Samples the gauge (summed over partitions) while waiting for every message, and lets
+    // the handlers go once it reaches `hold_bytes`. A snapshot swaps each gauge to zero, so
+    // it reads the change since the last one, and the level is their running sum.
+    let mut buffered = 0.0f64;
     let mut peak_buffered = 0.0f64;
     let deadline = tokio::time::Instant::now() + GIVE_UP;
     while settled.count() < messages {
-        let now: f64 = snapshotter
+        let change: f64 = snapshotter
             .snapshot()
             .into_vec()
             .into_iter()
@@ -135,10 +144,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 _ => None,
             })
             .sum();
-        peak_buffered = peak_buffered.max(now);
+        buffered += change;
+        peak_buffered = peak_buffered.max(buffered);
+        if buffered >= hold_bytes {
+            filled.send_replace(true);
+        }
         if tokio::time::Instant::now() >= deadline {
             return Err(format!(
-                "only {} of {messages} messages settled in {GIVE_UP:?}",
+                "only {} of {messages} messages settled in {GIVE_UP:?}; \
+                 peak_buffered={peak_buffered}",
                 settled.count()
             )
             .into());
