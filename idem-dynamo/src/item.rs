@@ -200,6 +200,12 @@ pub(crate) fn decode(item: &Item) -> Result<Record> {
             raw.try_into().map_err(|_| r.bad(FP, "is not 32 bytes"))?,
         )),
     };
+    // Tokens idem writes stay far below this (as PostgreSQL's bigint): the next claim adds
+    // one, so a larger one is not idem's and must not wrap.
+    let token = r.required(TOK, r.number(TOK))?;
+    if i64::try_from(token).is_err() {
+        return Err(r.bad(TOK, "is out of range"));
+    }
     let permanent = match item.get(PERM) {
         None => false,
         Some(AttributeValue::Bool(p)) => *p,
@@ -209,7 +215,7 @@ pub(crate) fn decode(item: &Item) -> Result<Record> {
         key,
         state,
         owner: r.required(OWNER, r.string(OWNER))?.into(),
-        token: r.required(TOK, r.number(TOK))?,
+        token,
         attempts,
         lease_until: r.number(LEASE)?.map(Timestamp::from_millis),
         fingerprint,
@@ -291,6 +297,13 @@ mod tests {
         item.insert(TOK.into(), s("seven"));
         let err = decode(&item).expect_err("corrupt");
         assert!(err.to_string().contains("`tok`"), "{err}");
+        // A token the next claim could not add one to is not idem's: corrupt, not a wrap.
+        item.insert(TOK.into(), n(u64::MAX));
+        let err = decode(&item).expect_err("corrupt");
+        assert!(
+            matches!(err, Error::Corrupt { .. }) && err.to_string().contains("`tok`"),
+            "{err}"
+        );
         item.insert(TOK.into(), n(7));
         item.insert(ST.into(), s("dancing"));
         assert!(matches!(decode(&item), Err(Error::Corrupt { .. })));

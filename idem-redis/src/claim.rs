@@ -112,8 +112,10 @@ impl RedisBackend {
             let found = replies.next();
             // The key's PEXPIRETIME, or the earliest it can be: TIME ran before the SET.
             let expire = match now {
-                Some(now) => i64::try_from(now + millis(c.lease_ttl) + millis(c.retention) - 1)
-                    .map_err(|_| bad_reply("claim", "an expiry past i64"))?,
+                Some(now) => {
+                    i64::try_from(now.saturating_add(millis(c.lease_ttl) + millis(c.retention) - 1))
+                        .map_err(|_| bad_reply("claim", "an expiry past i64"))?
+                }
                 None => match replies.next() {
                     Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
                     Some(v) => int(&v).ok_or_else(|| bad_reply("claim", format!("{v:?}")))?,
