@@ -339,3 +339,31 @@ fn builder_refuses_settings_that_cannot_work() {
     let engine = Engine::builder(backend).build().expect("defaults build");
     assert!(engine.owner().contains(&std::process::id().to_string()));
 }
+
+/// `Duration::MAX` for "never" is a century: a handler runs and heartbeats under it, and
+/// the record's lease and expiry are a century away, not an overflow.
+#[tokio::test(start_paused = true)]
+async fn durations_of_duration_max_are_a_century() {
+    let backend: Arc<dyn Backend> = Arc::new(memory());
+    let engine = Engine::builder(Arc::clone(&backend))
+        .owner("a")
+        .lease_ttl(Duration::MAX)
+        .retention(Duration::MAX)
+        .build()
+        .expect("engine");
+    assert_eq!(engine.lease_ttl(), idem_core::clock::capped(Duration::MAX));
+    let k = key("forever");
+    let answer = engine
+        .execute(&k, b"p", |_| async {
+            tokio::task::yield_now().await;
+            ok("done")
+        })
+        .await
+        .expect("execute");
+    assert_eq!(answer, Outcome::Executed(Bytes::from_static(b"done")));
+    let rec = backend.get(&k).await.expect("get").expect("record");
+    let century =
+        Timestamp::from_millis(1_000_000).saturating_add(Duration::from_secs(99 * 365 * 86_400));
+    assert_eq!(rec.state, State::Completed);
+    assert!(rec.expires_at.is_some_and(|at| at > century), "{rec:?}");
+}

@@ -45,3 +45,38 @@ impl Clock for ManualClock {
         Timestamp::from_millis(self.0.load(Ordering::SeqCst))
     }
 }
+
+/// A century: the longest wait idem puts on a clock.
+const FAR: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+/// `d`, or a century if `d` is longer. Timeouts and intervals from configuration pass
+/// through this, so that `Duration::MAX` (for "never") is a wait and not an overflow of
+/// the clock where a deadline is computed (in idem or in a client library).
+pub fn capped(d: Duration) -> Duration {
+    d.min(FAR)
+}
+
+/// The instant `d` from now, capped (see [`capped`]).
+pub(crate) fn deadline(d: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(capped(d)).unwrap_or(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deadline_past_the_clock_is_a_century_away() {
+        let now = tokio::time::Instant::now();
+        let far = deadline(Duration::MAX);
+        assert!(
+            far >= now + FAR,
+            "{far:?} is less than a century after {now:?}"
+        );
+        let near = deadline(Duration::from_secs(1));
+        assert!(near >= now + Duration::from_secs(1) && near < far);
+        assert_eq!(capped(Duration::MAX), FAR);
+        assert_eq!(capped(Duration::from_secs(5)), Duration::from_secs(5));
+    }
+}

@@ -154,21 +154,22 @@ impl EngineBuilder {
         self
     }
 
-    /// How long a lease lasts without a heartbeat (default 30 s).
+    /// How long a lease lasts without a heartbeat (default 30 s). This and the other
+    /// durations are capped at a century ([`clock::capped`](crate::clock::capped)).
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
-        self.lease_ttl = ttl;
+        self.lease_ttl = crate::clock::capped(ttl);
         self
     }
 
     /// How often a running handler's lease is extended (default a third of the lease).
     pub fn heartbeat(mut self, every: Duration) -> Self {
-        self.heartbeat = Some(every);
+        self.heartbeat = Some(crate::clock::capped(every));
         self
     }
 
     /// How long completed and failed records are kept (default 24 h).
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
+        self.retention = crate::clock::capped(retention);
         self
     }
 
@@ -524,7 +525,7 @@ impl Engine {
         let result = match futures::poll!(&mut work) {
             std::task::Poll::Ready(done) => done,
             std::task::Poll::Pending => {
-                let start = tokio::time::Instant::now() + i.heartbeat;
+                let start = crate::clock::deadline(i.heartbeat);
                 let mut ticks = tokio::time::interval_at(start, i.heartbeat);
                 ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 let mut extending: Fuse<BoxFuture<'_, Result<Timestamp>>> = Fuse::terminated();

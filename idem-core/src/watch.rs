@@ -133,7 +133,7 @@ impl Watch {
     /// began), or after `timeout`; says which (`true`: woken). Either way the caller reads
     /// the record again: a wake is a hint, never a value.
     pub async fn changed(&mut self, timeout: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = crate::clock::deadline(timeout);
         if let Some(sub) = &mut self.sub {
             match tokio::time::timeout_at(deadline, sub.rx.changed()).await {
                 Ok(Ok(())) => return true,

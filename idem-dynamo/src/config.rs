@@ -124,7 +124,7 @@ impl DynamoConfig {
     /// A lease counts as lapsed, and a record as expired, only once this client's clock is
     /// that far past the deadline. See the crate README for what a larger skew breaks.
     pub fn with_clock_skew(mut self, skew: Duration) -> Self {
-        self.clock_skew = skew;
+        self.clock_skew = idem_core::clock::capped(skew);
         self
     }
 
@@ -152,20 +152,20 @@ impl DynamoConfig {
 
     /// Bounds opening a connection (default 2 s).
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.connect_timeout = idem_core::clock::capped(timeout);
         self
     }
 
     /// Bounds one attempt of a call (default 3 s).
     pub fn with_attempt_timeout(mut self, timeout: Duration) -> Self {
-        self.attempt_timeout = timeout;
+        self.attempt_timeout = idem_core::clock::capped(timeout);
         self
     }
 
     /// Bounds a whole call, retries included (default 10 s). A call that takes longer
     /// fails with [`Error::Unavailable`]; its effect in the table is then unknown.
     pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
-        self.operation_timeout = timeout;
+        self.operation_timeout = idem_core::clock::capped(timeout);
         self
     }
 

@@ -108,3 +108,26 @@ async fn a_record_without_fingerprint_keeps_none_when_claimed_with_one() {
         "the first claim fixed the fingerprint"
     );
 }
+
+/// Timeouts and a skew of `Duration::MAX` (for "never") are a century, not an overflow:
+/// the backend connects and claims.
+#[tokio::test]
+async fn durations_of_duration_max_connect_and_claim() {
+    let config = common::config(&common::unique_table("forever"))
+        .with_connect_timeout(Duration::MAX)
+        .with_attempt_timeout(Duration::MAX)
+        .with_operation_timeout(Duration::MAX);
+    let century = idem_core::clock::capped(Duration::MAX);
+    assert_eq!(
+        (config.connect_timeout(), config.operation_timeout()),
+        (century, century)
+    );
+    let b = DynamoBackend::connect(config).await.expect("connect");
+    b.create_table().await.expect("create table");
+    let key = Key::new("ns", "forever").expect("key");
+    let res = b.claim(&claim_of(&key, "a")).await.expect("claim");
+    assert!(
+        matches!(res, idem_core::ClaimOutcome::Acquired(_)),
+        "{res:?}"
+    );
+}

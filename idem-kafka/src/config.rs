@@ -345,14 +345,17 @@ impl ConsumerBuilder {
 
     /// How long a revoke or a shutdown waits for in-flight handlers (default 10 s).
     pub fn revoke_timeout(mut self, timeout: Duration) -> Self {
-        self.revoke_timeout = timeout;
+        self.revoke_timeout = idem_core::clock::capped(timeout);
         self
     }
 
     /// The first and the longest pause of a stalled partition between retries (default
     /// 20 ms and 2 s, doubling).
     pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.backoff = (first, max);
+        self.backoff = (
+            idem_core::clock::capped(first),
+            idem_core::clock::capped(max),
+        );
         self
     }
 
@@ -566,6 +569,22 @@ mod tests {
         assert_eq!(s.settings().max_bytes, 64 << 20);
         let s = builder().max_buffered_bytes(5_000_000).build().unwrap();
         assert_eq!(s.settings().max_bytes, 5_000_000);
+    }
+
+    #[test]
+    fn durations_of_duration_max_are_a_century() {
+        let century = idem_core::clock::capped(Duration::MAX);
+        let s = builder()
+            .revoke_timeout(Duration::MAX)
+            .retry_backoff(Duration::MAX, Duration::MAX)
+            .build()
+            .unwrap();
+        let settings = s.settings();
+        assert_eq!(settings.revoke_timeout, century);
+        assert_eq!(settings.backoff, (century, century));
+        // The revoke deadline and the doubled backoff are computed from these.
+        let _ = std::time::Instant::now() + settings.revoke_timeout;
+        let _ = settings.backoff.1.saturating_mul(2);
     }
 
     fn engine() -> Engine {

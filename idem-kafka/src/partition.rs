@@ -1207,7 +1207,7 @@ impl Backoff {
 
     fn next(&mut self) -> Duration {
         let d = self.next;
-        self.next = (d * 2).min(self.max);
+        self.next = d.saturating_mul(2).min(self.max);
         d
     }
 }
@@ -1220,4 +1220,18 @@ fn settled_by(outcome: &Outcome) -> bool {
 /// [`settled_by`] for an outcome a failed batch may not have.
 fn settled(outcome: &Option<Outcome>) -> bool {
     outcome.as_ref().is_some_and(settled_by)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_bound_and_never_overflows() {
+        let ms = Duration::from_millis;
+        let mut b = Backoff::new((ms(20), ms(50)));
+        assert_eq!([b.next(), b.next(), b.next()], [ms(20), ms(40), ms(50)]);
+        let mut far = Backoff::new((Duration::MAX, Duration::MAX));
+        assert_eq!([far.next(), far.next()], [Duration::MAX; 2]);
+    }
 }

@@ -88,7 +88,9 @@ pub struct PgBackend {
 
 impl PgBackend {
     /// Connects a pool. Does not create tables: call [`PgBackend::migrate`] once.
-    pub async fn connect(config: PgConfig) -> Result<Self> {
+    pub async fn connect(mut config: PgConfig) -> Result<Self> {
+        // The field is public, so it may not have passed through the setter's cap.
+        config.connect_timeout = idem_core::clock::capped(config.connect_timeout);
         let what = format!("connect to {}", config.redacted_url());
         let options = PgConnectOptions::from_str(&config.url)
             .map_err(|e| map(&what, e))?
@@ -131,7 +133,7 @@ impl PgBackend {
             schema,
             max_response_bytes: config.max_response_bytes,
             purge_batch: config.purge_batch.max(1),
-            timeout: config.connect_timeout * 2,
+            timeout: idem_core::clock::capped(config.connect_timeout).saturating_mul(2),
             feed: Arc::default(),
         })
     }

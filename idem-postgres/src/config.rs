@@ -56,7 +56,7 @@ impl PgConfig {
 
     /// Sets the connect timeout.
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.connect_timeout = idem_core::clock::capped(timeout);
         self
     }
 

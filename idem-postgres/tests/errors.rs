@@ -96,3 +96,26 @@ async fn a_dropped_connection_is_unavailable_then_recovers() {
     }
     assert!(recovered, "the backend never answered again");
 }
+
+/// A connect timeout of `Duration::MAX` (for "never"), set through the setter or the
+/// public field, is a century, not an overflow in the pool: the backend connects and
+/// claims.
+#[tokio::test]
+async fn a_connect_timeout_of_duration_max_connects_and_claims() {
+    let mut config = PgConfig::new(common::url()).with_schema(common::fresh_schema());
+    config.connect_timeout = Duration::MAX;
+    let set = PgConfig::new(common::url())
+        .with_schema(common::fresh_schema())
+        .with_connect_timeout(Duration::MAX);
+    assert_eq!(set.connect_timeout, idem_core::clock::capped(Duration::MAX));
+    for config in [config, set] {
+        let backend = PgBackend::connect(config).await.expect("connect");
+        backend.migrate().await.expect("migrate");
+        let key = Key::new(conformance::unique_namespace(), "forever").expect("key");
+        let res = backend.claim(&claim(&key)).await.expect("claim");
+        assert!(
+            matches!(res, idem_core::ClaimOutcome::Acquired(_)),
+            "{res:?}"
+        );
+    }
+}

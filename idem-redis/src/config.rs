@@ -77,7 +77,7 @@ impl RedisConfig {
     /// Bounds every call, connecting included (default 2 s). A call that takes longer
     /// fails with [`Error::Unavailable`]; its effect in the store is then unknown.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.timeout = idem_core::clock::capped(timeout);
         self
     }
 

@@ -137,3 +137,18 @@ async fn a_bad_configuration_is_refused_before_connecting() {
     let res = RedisBackend::connect(standalone_config().with_timeout(Duration::ZERO)).await;
     assert!(matches!(res, Err(Error::Config { .. })), "{res:?}");
 }
+
+/// A timeout of `Duration::MAX` (for "never") is a century, not an overflow: the backend
+/// connects and claims.
+#[tokio::test]
+async fn a_timeout_of_duration_max_connects_and_claims() {
+    let config = standalone_config().with_timeout(Duration::MAX);
+    assert_eq!(config.timeout(), idem_core::clock::capped(Duration::MAX));
+    let b = connect(config).await;
+    let k = key("forever");
+    let res = b.claim(&claim(&k, "a")).await.expect("claim");
+    assert!(
+        matches!(res, idem_core::ClaimOutcome::Acquired(_)),
+        "{res:?}"
+    );
+}
