@@ -116,6 +116,103 @@ fn json(v: &str) -> Out {
     }
 }
 
+/// A message on partition 0 whose `idempotency-key` header is `id` (no header: `None`).
+fn with_header(id: Option<&[u8]>) -> Out {
+    Out {
+        partition: Some(0),
+        payload: b"p".to_vec(),
+        headers: id
+            .map(|id| vec![("idempotency-key".to_owned(), id.to_vec())])
+            .unwrap_or_default(),
+        ..Out::default()
+    }
+}
+
+/// Header keys that are missing, empty, not UTF-8 or over the length limit are dead
+/// letters with their reason, around good keys that run once; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_header_keys_end_in_the_dead_letter_topic_with_their_reason() {
+    let topic = unique("badkeys");
+    let dlq = format!("{topic}.dlq");
+    let cluster = mock(1, &[(&topic, 1), (&dlq, 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let long = vec![b'k'; idem_core::MAX_ID_BYTES + 1];
+    let msgs = [
+        with_header(Some(b"a")),
+        with_header(None),
+        with_header(Some(b"")),
+        with_header(Some(&[0xff, 0xfe, b'x'])),
+        with_header(Some(&long)),
+        with_header(Some(b"b")),
+    ];
+    produce(&brokers, &topic, &msgs).await;
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let group = unique("g");
+    let fx = effects.clone();
+    let running = start(
+        builder(&brokers, &topic, &group)
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .commit_interval(Duration::from_millis(100))
+            .handler(move |msg, _| {
+                let fx = fx.clone();
+                async move {
+                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    fx.apply(&id);
+                    Ok(Bytes::from(id))
+                }
+            }),
+        &recorder,
+    );
+    recorder.wait_settled(msgs.len(), WAIT).await;
+    running.stop().await;
+
+    assert_eq!(
+        (effects.runs("a"), effects.runs("b"), effects.total()),
+        (1, 1, 2)
+    );
+    let letters = common::read_all(&brokers, &dlq, 1, 4, WAIT);
+    let got: Vec<(String, String)> = letters
+        .iter()
+        .map(|l| {
+            (
+                l.headers["idem-original-offset"].clone(),
+                l.headers["idem-reason"].clone(),
+            )
+        })
+        .collect();
+    let want = [
+        ("1", "missing-key"),
+        ("2", "missing-key"),
+        ("3", "invalid-key"),
+        ("4", "invalid-key"),
+    ]
+    .map(|(o, r)| (o.to_owned(), r.to_owned()));
+    assert_eq!(got, want, "{letters:#?}");
+    for letter in &letters {
+        let offset: usize = letter.headers["idem-original-offset"]
+            .parse()
+            .expect("offset");
+        assert_eq!(letter.payload, msgs[offset].payload);
+        assert!(!letter.headers["idem-error"].is_empty(), "{letter:?}");
+    }
+    assert!(
+        letters[2].headers["idem-error"].contains("UTF-8"),
+        "{:?}",
+        letters[2]
+    );
+    assert!(
+        letters[3].headers["idem-error"].contains("512"),
+        "{:?}",
+        letters[3]
+    );
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![6]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bad_messages_end_in_the_dead_letter_topic_with_headers() {
     let topic = unique("dlq");
@@ -571,9 +668,10 @@ async fn keyless_messages_can_be_processed_without_deduplication() {
     produce(&brokers, &topic, &msgs).await;
     let effects = Effects::new();
     let recorder = Recorder::new();
+    let group = unique("g");
     let fx = effects.clone();
     let running = start(
-        builder(&brokers, &topic, &unique("g"))
+        builder(&brokers, &topic, &group)
             .engine(engine(
                 Arc::new(MemoryBackend::new()),
                 "w1",
