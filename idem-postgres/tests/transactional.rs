@@ -16,7 +16,11 @@ const HOUR: Duration = Duration::from_secs(3600);
 
 /// A backend and a business table `ledger` in its schema.
 async fn setup() -> (PgBackend, String) {
-    let backend = common::backend().await;
+    setup_with(common::backend().await).await
+}
+
+/// A business table `ledger` in `backend`'s schema.
+async fn setup_with(backend: PgBackend) -> (PgBackend, String) {
     let schema = backend.schema().to_owned();
     let ledger = format!("\"{schema}\".ledger");
     let create = format!("CREATE TABLE {ledger} (key text NOT NULL, by_task int NOT NULL)");
@@ -150,6 +154,40 @@ async fn a_handler_error_leaves_no_row_no_completion_and_no_offset() {
         .expect("attempt recorded");
     assert_eq!((rec.state, rec.attempts), (State::Failed, 1));
     assert_eq!(rec.error.as_deref(), Some("card declined"));
+}
+
+/// A response over `max_response_bytes` is a permanent failure: the handler's writes roll
+/// back, the key is poisoned with the reason, and no offset is stored.
+#[tokio::test]
+async fn an_oversized_response_rolls_back_and_poisons_with_the_reason() {
+    let backend = common::backend_with(|c| c.with_max_response_bytes(10)).await;
+    let (backend, ledger) = setup_with(backend).await;
+    let key = Key::new("tx", "oversized").expect("key");
+    let at = OffsetPosition {
+        group: "g".into(),
+        topic: "payments".into(),
+        partition: 0,
+        offset: 7,
+    };
+    let out = backend
+        .execute_in_transaction(
+            &claim(&key, "a", Duration::from_secs(10)),
+            HOUR,
+            Some(&at),
+            insert(ledger.clone(), "oversized".into(), 1),
+        )
+        .await
+        .expect("execute");
+    let Outcome::Poisoned { attempts, error } = &out else {
+        panic!("expected Poisoned, got {out:?}");
+    };
+    assert_eq!(*attempts, 1);
+    assert!(error.contains("10"), "the reason names the limit: {error}");
+    assert_eq!(count(&backend, &ledger).await, 0, "the insert rolled back");
+    assert_eq!(backend.stored_offsets("g").await.expect("offsets"), vec![]);
+    let rec = backend.get(&key).await.expect("get").expect("record");
+    assert_eq!((rec.state, rec.permanent), (State::Failed, true));
+    assert_eq!(rec.response, None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
