@@ -29,6 +29,10 @@ enum Op {
         key: u8,
         payload: u8,
     },
+    /// One `claim_many` call: per item an owner, a key and a payload, as in `Claim`.
+    ClaimMany {
+        items: Vec<(u8, u8, u8)>,
+    },
     Complete {
         owner: u8,
         key: u8,
@@ -73,6 +77,8 @@ fn op(advance_weight: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (owner.clone(), key.clone(), 0u8..3)
             .prop_map(|(owner, key, payload)| Op::Claim { owner, key, payload }),
+        2 => proptest::collection::vec((owner.clone(), key.clone(), 0u8..3), 1..5)
+            .prop_map(|items| Op::ClaimMany { items }),
         3 => (owner.clone(), key.clone(), 0u8..4)
             .prop_map(|(owner, key, response)| Op::Complete { owner, key, response }),
         2 => (owner.clone(), key.clone(), any::<bool>())
@@ -100,6 +106,7 @@ enum Answer {
     InProgress {
         owner: Arc<str>,
     },
+    Claimed(Vec<Answer>),
     Poisoned {
         attempts: u32,
         error: String,
@@ -187,6 +194,19 @@ impl Leases {
     }
 }
 
+/// The claim of `(owner, key, payload)` as the property makes it: payloads 0 and 1 carry
+/// a fingerprint, 2 none.
+fn claim_of(keys: &[Key], lease: Duration, (owner, key, payload): (u8, u8, u8)) -> Claim {
+    Claim {
+        key: keys[key as usize].clone(),
+        owner: owner_name(owner),
+        lease_ttl: lease,
+        fingerprint: (payload < 2).then(|| Fingerprint::of(&[payload])),
+        max_attempts: MAX_ATTEMPTS,
+        retention: RETENTION,
+    }
+}
+
 fn owner_name(owner: u8) -> Arc<str> {
     format!("owner-{owner}").into()
 }
@@ -214,14 +234,7 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                 key,
                 payload,
             } => {
-                let claim = Claim {
-                    key: keys[key as usize].clone(),
-                    owner: owner_name(owner),
-                    lease_ttl: lease,
-                    fingerprint: (payload < 2).then(|| Fingerprint::of(&[payload])),
-                    max_attempts: MAX_ATTEMPTS,
-                    retention: RETENTION,
-                };
+                let claim = claim_of(&keys, lease, (owner, key, payload));
                 let got = store(fx.backend.claim(&claim).await)?;
                 let want = model.claim(&claim);
                 if let ClaimOutcome::Acquired(l) = &got {
@@ -231,6 +244,32 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                     model_leases.0.insert((owner, key), l.clone());
                 }
                 (claimed(&got), claimed(&want))
+            }
+            Op::ClaimMany { ref items } => {
+                let claims: Vec<Claim> = items
+                    .iter()
+                    .map(|&item| claim_of(&keys, lease, item))
+                    .collect();
+                let got = store(fx.backend.claim_many(&claims).await)?;
+                prop_assert_eq!(
+                    got.len(),
+                    claims.len(),
+                    "claim_many answered a different count"
+                );
+                // The model answers the items as single claims in turn.
+                let want: Vec<ClaimOutcome> = claims.iter().map(|c| model.claim(c)).collect();
+                for (&(owner, key, _), (g, w)) in items.iter().zip(got.iter().zip(&want)) {
+                    if let ClaimOutcome::Acquired(l) = g {
+                        real_leases.0.insert((owner, key), l.clone());
+                    }
+                    if let ClaimOutcome::Acquired(l) = w {
+                        model_leases.0.insert((owner, key), l.clone());
+                    }
+                }
+                (
+                    Answer::Claimed(got.iter().map(claimed).collect()),
+                    Answer::Claimed(want.iter().map(claimed).collect()),
+                )
             }
             Op::Complete {
                 owner,
