@@ -9,7 +9,7 @@ use futures::future::BoxFuture;
 use rdkafka::ClientConfig;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
-use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message as _};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, TopicPartitionList};
@@ -20,6 +20,7 @@ use crate::config::Settings;
 use crate::dlq::DeadLetters;
 use crate::handle::{BYTES, Budget, PartitionState, WorkerHandle};
 use crate::partition::Worker;
+use crate::probe::Point;
 use crate::{ConsumerBuilder, Error, Result};
 
 /// How long one poll of the client blocks; also how quickly the poll thread notices a
@@ -86,7 +87,6 @@ impl IdemConsumer {
             consumer: OnceLock::new(),
             dead: CancellationToken::new(),
             gate: Mutex::new(()),
-            dirty: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             settings,
         });
@@ -166,8 +166,6 @@ pub(crate) struct Shared {
     pub dead: CancellationToken,
     /// Held while committing and while crashing, so no commit starts after a crash.
     gate: Mutex<()>,
-    /// Offsets were stored since the last commit.
-    pub dirty: AtomicBool,
     stopping: AtomicBool,
 }
 
@@ -187,18 +185,55 @@ impl Shared {
         self.dead.cancel();
     }
 
+    /// Asks the probe, if any, about `point` for the message at `topic`/`partition`/
+    /// `offset`; says whether it answered [`Verdict::Crash`](crate::Verdict::Crash).
+    pub fn probe(&self, point: Point, topic: &str, partition: i32, offset: i64) -> bool {
+        self.settings.probe.as_ref().is_some_and(|probe| {
+            probe.reached(point, topic, partition, offset) == crate::Verdict::Crash
+        })
+    }
+
+    /// Commits the offsets stored. Every `commit_interval` whether or not any were stored
+    /// since: librdkafka skips partitions whose stored offset is committed already (then
+    /// answers `NoOffset`, a no-op), and a commit that failed left its partitions behind,
+    /// so the next one retries them. An asynchronous commit's result never comes back to
+    /// the client (librdkafka delivers it only for automatic commits), so this is the
+    /// retry, even for the last offsets of an idle partition.
     fn commit(&self, consumer: &BaseConsumer<LoopContext>, mode: CommitMode) {
         let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         if self.dead.is_cancelled() {
             return;
         }
-        self.dirty.store(false, Ordering::SeqCst);
         match consumer.commit_consumer_state(mode) {
-            Ok(()) => {}
+            Ok(()) => self.probe_commit(),
             Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
             Err(e) => {
-                self.dirty.store(true, Ordering::SeqCst);
                 tracing::warn!(error = %e, "offset commit failed; retrying at the next commit");
+            }
+        }
+    }
+
+    /// Asks the probe about [`Point::AfterCommit`] for each assigned partition with an
+    /// offset stored (the last message it covers), once a commit was made: acknowledged
+    /// if synchronous, handed to the client if not. The caller holds the gate, so a crash
+    /// here cancels `dead` directly.
+    fn probe_commit(&self) {
+        if self.settings.probe.is_none() {
+            return;
+        }
+        let states: Vec<Arc<PartitionState>> = self
+            .lock_workers()
+            .values()
+            .map(|h| Arc::clone(&h.state))
+            .collect();
+        for s in states {
+            let last = s.stored.load(Ordering::SeqCst);
+            if last < 0 || self.dead.is_cancelled() {
+                continue;
+            }
+            if self.probe(Point::AfterCommit, &s.topic, s.partition, last) {
+                tracing::info!(topic = %s.topic, partition = s.partition, offset = last, "probe: crash after commit");
+                self.dead.cancel();
             }
         }
     }
@@ -383,16 +418,6 @@ impl ConsumerContext for LoopContext {
             tracing::warn!(error = %e, "assign or unassign failed");
         }
     }
-
-    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
-        match result {
-            Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
-            Err(e) => {
-                self.shared.dirty.store(true, Ordering::SeqCst);
-                tracing::warn!(error = %e, "offset commit failed; retrying at the next commit");
-            }
-        }
-    }
 }
 
 /// The poll thread: routes messages, commits periodically, and on shutdown revokes
@@ -448,9 +473,7 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
         // after every message: a commit is late by 64 messages at most.
         if routed % 64 == 0 && last_commit.elapsed() >= shared.settings.commit_interval {
             last_commit = Instant::now();
-            if shared.dirty.load(Ordering::SeqCst) {
-                shared.commit(&consumer, CommitMode::Async);
-            }
+            shared.commit(&consumer, CommitMode::Async);
         }
     };
     close(shared, consumer);

@@ -2,7 +2,7 @@
 //! shared state (stop, abandon, pause reasons, backlog, bytes held) and the channel that
 //! feeds it.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -69,6 +69,9 @@ pub(crate) struct PartitionState {
     /// Give up in-flight work too (the revoke timeout passed).
     pub abandon: CancellationToken,
     pub backlog: AtomicUsize,
+    /// The last message whose offset is stored in the client (librdkafka stores the one
+    /// after it), or -1.
+    pub stored: AtomicI64,
     pause: Mutex<u8>,
     /// Bytes of this partition's messages held, and the consumer's budget they count in.
     held: AtomicUsize,
@@ -154,6 +157,7 @@ impl PartitionState {
             stop: CancellationToken::new(),
             abandon: CancellationToken::new(),
             backlog: AtomicUsize::new(0),
+            stored: AtomicI64::new(-1),
             pause: Mutex::new(0),
             held: AtomicUsize::new(0),
             budget,

@@ -34,7 +34,7 @@ use crate::handle::{BACKLOG, PartitionState, STALL, WorkerEnds};
 use crate::key::Extracted;
 use crate::lanes::{self, OrderBy, Settler, Window};
 use crate::metrics::Counters;
-use crate::probe::{Point, Verdict};
+use crate::probe::Point;
 use crate::slot::Slot;
 
 /// The longest a chunk's results wait for their settle, as handlers are timed so far.
@@ -541,7 +541,7 @@ impl Worker {
         match consumer.store_offset(&self.state.topic, self.state.partition, settled) {
             Ok(()) => {
                 self.progress().stored = Some(settled);
-                self.shared.dirty.store(true, Ordering::SeqCst);
+                self.state.stored.store(settled, Ordering::SeqCst);
                 drop(consumer);
                 let _ = self.probe(Point::AfterStore, settled);
             }
@@ -1181,10 +1181,7 @@ impl Worker {
 /// Asks the probe about `point` for the message at `offset` of `state`'s partition; a
 /// crash verdict kills the consumer. Says whether it did.
 fn probe_at(shared: &Shared, state: &PartitionState, point: Point, offset: i64) -> bool {
-    let Some(probe) = &shared.settings.probe else {
-        return false;
-    };
-    if probe.reached(point, &state.topic, state.partition, offset) == Verdict::Crash {
+    if shared.probe(point, &state.topic, state.partition, offset) {
         if !shared.dead.is_cancelled() {
             tracing::info!(?point, topic = %state.topic, partition = state.partition, offset, "probe: crash");
             shared.crash();

@@ -15,6 +15,10 @@ pub enum Point {
     AfterSettle,
     /// The offset after this message was stored in the client, not yet committed.
     AfterStore,
+    /// A commit of the offset after this message was made: acknowledged if synchronous,
+    /// handed to the client if asynchronous (the periodic commit). Asked once per assigned
+    /// partition with a stored offset at each commit, on the poll thread.
+    AfterCommit,
 }
 
 /// What a [`Probe`] wants done at a point.

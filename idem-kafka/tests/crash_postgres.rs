@@ -1,6 +1,7 @@
-//! The crash test on the real broker (tansu, `IDEM_KAFKA_BROKERS`) in transactional mode
-//! over PostgreSQL (`IDEM_POSTGRES_URL`): the side effect is a ledger row written in the
-//! handler's transaction, so each payment must be in the ledger exactly once.
+//! The crash test on the real broker (tansu, `IDEM_KAFKA_BROKERS`) over PostgreSQL
+//! (`IDEM_POSTGRES_URL`). In transactional mode the side effect is a ledger row written in
+//! the handler's transaction, so each payment must be in the ledger exactly once; in lease
+//! mode every payment is applied, and any payment applied twice must follow a lapsed lease.
 
 mod common;
 mod crash;
@@ -26,6 +27,23 @@ async fn crash_test_postgres_transactional_in_flight_32() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_test_postgres_lease_mode() {
+    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    common::install_metrics();
+    common::log_from_env();
+    let (backend, _) = common::postgres().await;
+    let store = Arc::new(backend.clone());
+    crash::lease_mode(
+        &brokers,
+        "PostgreSQL, lease mode",
+        store,
+        crash::Plan::default(),
+    )
+    .await;
+    common::drop_schema(&backend).await;
+}
+
 async fn scenario(plan: crash::Plan, label: &str) {
     let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
     common::install_metrics();
@@ -37,7 +55,7 @@ async fn scenario(plan: crash::Plan, label: &str) {
     });
     let figures = crash::run(&brokers, store, plan).await;
     crash::print(label, &figures);
-    assert_eq!(figures.crashes, 10);
+    assert_eq!(figures.crashes, crash::CRASHES);
     assert_eq!(figures.effects_applied, 2000, "each payment exactly once");
     assert_eq!(figures.double_effects, 0);
     // 400 payments were sent twice. A copy can go unreplayed only when a crash lands

@@ -12,7 +12,7 @@ use common::{
     wait_committed,
 };
 use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
-use idem_kafka::KeySource;
+use idem_kafka::{KeySource, Point};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -58,6 +58,9 @@ async fn duplicate_is_replayed_not_rerun() {
         &recorder,
     );
     recorder.wait_settled(msgs.len(), WAIT).await;
+    // Partition 0 holds the ten even payments and the five copies. Committed by a
+    // periodic commit, before the one at shutdown.
+    wait_committed(&brokers, &group, &topic, &[15, 10], WAIT).await;
     running.stop().await;
 
     assert_eq!(effects.distinct(), 20);
@@ -68,8 +71,17 @@ async fn duplicate_is_replayed_not_rerun() {
         assert_eq!(rec.state, State::Completed);
         assert_eq!(rec.response, Some(Bytes::from(format!("done pay-{i}"))));
     }
-    // Partition 0 holds the ten even payments and the five copies.
     assert_eq!(committed(&brokers, &group, &topic, 2), vec![15, 10]);
+    // The probe heard of the commits, up to the last message of each partition.
+    let commits: Vec<(i32, i64)> = recorder
+        .points()
+        .into_iter()
+        .filter(|(p, ..)| *p == Point::AfterCommit)
+        .map(|(_, partition, offset)| (partition, offset))
+        .collect();
+    for (partition, last) in [(0, 14), (1, 9)] {
+        assert!(commits.contains(&(partition, last)), "{commits:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -386,11 +398,7 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     );
     // The claim is failing: the partition stalls before running anything.
     let deadline = std::time::Instant::now() + WAIT;
-    while !recorder
-        .points()
-        .iter()
-        .any(|p| p.0 == idem_kafka::Point::BeforeClaim)
-    {
+    while !recorder.points().iter().any(|p| p.0 == Point::BeforeClaim) {
         assert!(std::time::Instant::now() < deadline, "no claim attempted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -527,6 +535,41 @@ async fn failed_commits_are_retried() {
     recorder.wait_settled(30, WAIT).await;
     // The first commits failed; a later periodic commit carries the settled offset.
     wait_committed(&brokers, &group, &topic, &[30], WAIT).await;
+    running.stop().await;
+}
+
+/// A commit that fails after the last offset was stored is retried too: nothing new is
+/// stored after it, so only the failure itself can bring the commit back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_commit_of_the_last_offsets_is_retried() {
+    use idem_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let topic = unique("lastcommit");
+    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let msgs: Vec<Out> = (0..3)
+        .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let group = unique("g");
+    let recorder = Recorder::new();
+    let running = start(
+        builder(&brokers, &topic, &group)
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .commit_interval(Duration::from_millis(300))
+            .handler(|msg, _| async move { Ok(Bytes::from(msg.offset().to_string())) }),
+        &recorder,
+    );
+    // Every offset is stored before the first periodic commit, which then fails.
+    recorder.wait_settled(3, WAIT).await;
+    cluster.request_errors(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OFFSET_METADATA_TOO_LARGE; 2],
+    );
+    wait_committed(&brokers, &group, &topic, &[3], WAIT).await;
     running.stop().await;
 }
 
@@ -815,7 +858,6 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_buffer_pauses_the_partition_and_it_resumes_with_each_message_once() {
-    use idem_kafka::Point;
     let topic = unique("backlog");
     let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
     let brokers = cluster.bootstrap_servers();

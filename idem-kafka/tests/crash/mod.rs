@@ -17,14 +17,18 @@ use tokio_util::sync::CancellationToken;
 
 use crate::common::{self, Out};
 
-/// The five crash points, in the order instances take them.
-pub const POINTS: [Point; 5] = [
+/// The six crash points, in the order instances take them.
+pub const POINTS: [Point; 6] = [
     Point::BeforeClaim,
     Point::AfterClaim,
     Point::AfterEffect,
     Point::AfterSettle,
     Point::AfterStore,
+    Point::AfterCommit,
 ];
+
+/// The crashes a default [`Plan`] injects: two at each point.
+pub const CRASHES: usize = 2 * POINTS.len();
 
 /// What the scenario looks like.
 pub struct Plan {
@@ -512,7 +516,7 @@ pub async fn lease_mode(
     let store = Arc::new(LeaseStore::new(backend));
     let figures = run(brokers, store, plan).await;
     print(name, &figures);
-    assert_eq!(figures.crashes, 10);
+    assert_eq!(figures.crashes, CRASHES);
     // 400 payments were sent twice. A copy can go unreplayed only when a crash lands
     // between its settle and its probe (then it is skipped, not lost).
     assert!(
