@@ -19,7 +19,11 @@ const OWNERS: u8 = 3;
 const KEYS: u8 = 2;
 /// Low, so that generated sequences reach poisoned keys often.
 const MAX_ATTEMPTS: u32 = 2;
+/// Retention under real time: longer than any case, so no record expires while the model
+/// assumes no time passes between moves.
 const RETENTION: Duration = Duration::from_secs(3600);
+/// Retention under a manual clock, in leases: short, so that sequences reach expiry.
+const RETENTION_LEASES: u32 = 3;
 
 /// One step of a generated sequence.
 #[derive(Clone, Debug)]
@@ -196,14 +200,18 @@ impl Leases {
 
 /// The claim of `(owner, key, payload)` as the property makes it: payloads 0 and 1 carry
 /// a fingerprint, 2 none.
-fn claim_of(keys: &[Key], lease: Duration, (owner, key, payload): (u8, u8, u8)) -> Claim {
+fn claim_of(
+    keys: &[Key],
+    (lease, retention): (Duration, Duration),
+    (owner, key, payload): (u8, u8, u8),
+) -> Claim {
     Claim {
         key: keys[key as usize].clone(),
         owner: owner_name(owner),
         lease_ttl: lease,
         fingerprint: (payload < 2).then(|| Fingerprint::of(&[payload])),
         max_attempts: MAX_ATTEMPTS,
-        retention: RETENTION,
+        retention,
     }
 }
 
@@ -215,6 +223,12 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
     let real = matches!(fx.time, Time::Real);
     // Under real time the property uses half the fixture's lease, so time moves cost less.
     let lease = if real { fx.lease / 2 } else { fx.lease };
+    let retention = if real {
+        RETENTION
+    } else {
+        lease * RETENTION_LEASES
+    };
+    let times = (lease, retention);
     // Under real time the model assumes no time passes between moves. That holds while
     // every lease granted since the last move is still live: if the operations since then
     // took most of a lease (a loaded machine), the case proves nothing and is rejected,
@@ -234,7 +248,7 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                 key,
                 payload,
             } => {
-                let claim = claim_of(&keys, lease, (owner, key, payload));
+                let claim = claim_of(&keys, times, (owner, key, payload));
                 let got = store(fx.backend.claim(&claim).await)?;
                 let want = model.claim(&claim);
                 if let ClaimOutcome::Acquired(l) = &got {
@@ -248,7 +262,7 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
             Op::ClaimMany { ref items } => {
                 let claims: Vec<Claim> = items
                     .iter()
-                    .map(|&item| claim_of(&keys, lease, item))
+                    .map(|&item| claim_of(&keys, times, item))
                     .collect();
                 let got = store(fx.backend.claim_many(&claims).await)?;
                 prop_assert_eq!(
@@ -279,9 +293,9 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                 let k = &keys[key as usize];
                 let body = Bytes::from(vec![response, 0, 0xff]);
                 let lease = real_leases.get(owner, k, key);
-                let got = fenced(fx.backend.complete(&lease, body.clone(), RETENTION).await)?;
+                let got = fenced(fx.backend.complete(&lease, body.clone(), retention).await)?;
                 let lease = model_leases.get(owner, k, key);
-                let want = done(model.complete(&lease, body, RETENTION));
+                let want = done(model.complete(&lease, body, retention));
                 (got, want)
             }
             Op::Fail {
@@ -297,9 +311,9 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                 };
                 let error = format!("err-{step}");
                 let lease = real_leases.get(owner, k, key);
-                let got = fenced(fx.backend.fail(&lease, &error, kind, RETENTION).await)?;
+                let got = fenced(fx.backend.fail(&lease, &error, kind, retention).await)?;
                 let lease = model_leases.get(owner, k, key);
-                (got, done(model.fail(&lease, &error, kind, RETENTION)))
+                (got, done(model.fail(&lease, &error, kind, retention)))
             }
             Op::Extend { owner, key } => {
                 let k = &keys[key as usize];
@@ -340,7 +354,7 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                 };
                 let answers = store(
                     fx.backend
-                        .settle_many(&batch(&real_leases), RETENTION)
+                        .settle_many(&batch(&real_leases), retention)
                         .await,
                 )?;
                 prop_assert_eq!(
@@ -354,7 +368,7 @@ async fn run_case<B: Backend>(fx: &Fixture<B>, ops: &[Op]) -> Result<(), TestCas
                     .collect::<Result<Vec<_>, _>>()?;
                 let want = batch(&model_leases)
                     .iter()
-                    .map(|item| done(model.settle(item, RETENTION)))
+                    .map(|item| done(model.settle(item, retention)))
                     .collect();
                 (Answer::Settled(got), Answer::Settled(want))
             }
