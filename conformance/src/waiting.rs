@@ -25,7 +25,7 @@ fn real_time<B>(fx: &Fixture<B>) {
 }
 
 /// What one wait came to, and how long after the holder's complete (if any) returned it
-/// returned (after the waiter was first answered, without a complete).
+/// returned (after the waiter was answered a second time, past its watch, without a complete).
 struct Waited {
     outcome: Outcome,
     after: Duration,
@@ -39,7 +39,8 @@ struct Waited {
 
 /// Holds a key with the fixture's backend, runs a waiting engine on it with the `poll`
 /// and `max` that `times` gives for the fixture's lease (notifications lost if `deaf`),
-/// and once the waiter has been answered `InProgress` completes the key (if `complete`).
+/// and once the waiter has watched the key and been answered `InProgress` again,
+/// completes the key (if `complete`).
 async fn wait_on<F: Factory>(
     f: &F,
     deaf: bool,
@@ -71,7 +72,10 @@ async fn wait_on<F: Factory>(
             .await;
         (outcome, Instant::now())
     });
-    log.claims_answered(1).await;
+    // Two claims answered: the one that found the key in progress, then the first after
+    // the waiter took its watch. A complete before the watch would be read by that claim,
+    // and the case would prove nothing about waking.
+    log.claims_answered(2).await;
     if complete {
         let response = Bytes::from_static(b"the holder's response");
         backend
