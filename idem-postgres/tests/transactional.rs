@@ -42,6 +42,16 @@ fn claim(key: &Key, owner: &str, lease: Duration) -> Claim {
     }
 }
 
+/// Offset `offset` of partition 0 of `payments`, for group `g`.
+fn payments_at(offset: i64) -> OffsetPosition {
+    OffsetPosition {
+        group: "g".into(),
+        topic: "payments".into(),
+        partition: 0,
+        offset,
+    }
+}
+
 async fn count(backend: &PgBackend, ledger: &str) -> i64 {
     let q = format!("SELECT count(*) FROM {ledger}");
     sqlx::query_scalar(AssertSqlSafe(q))
@@ -115,12 +125,7 @@ async fn thirty_two_tasks_on_one_key_leave_exactly_one_row() {
 async fn a_handler_error_leaves_no_row_no_completion_and_no_offset() {
     let (backend, ledger) = setup().await;
     let key = Key::new("tx", "declined").expect("key");
-    let at = OffsetPosition {
-        group: "g".into(),
-        topic: "payments".into(),
-        partition: 0,
-        offset: 41,
-    };
+    let at = payments_at(41);
     let out = backend
         .execute_in_transaction(
             &claim(&key, "a", Duration::from_secs(10)),
@@ -163,12 +168,7 @@ async fn an_oversized_response_rolls_back_and_poisons_with_the_reason() {
     let backend = common::backend_with(|c| c.with_max_response_bytes(10)).await;
     let (backend, ledger) = setup_with(backend).await;
     let key = Key::new("tx", "oversized").expect("key");
-    let at = OffsetPosition {
-        group: "g".into(),
-        topic: "payments".into(),
-        partition: 0,
-        offset: 7,
-    };
+    let at = payments_at(7);
     let out = backend
         .execute_in_transaction(
             &claim(&key, "a", Duration::from_secs(10)),
