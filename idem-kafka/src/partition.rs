@@ -101,12 +101,12 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// How far a partition got: its last settled offset (the end of the settled prefix), the
-/// last one stored in the client, and whether it is paused for a stall.
+/// How far a partition got: its last settled offset (the end of the settled prefix), and
+/// whether it is paused for a stall. The last offset stored in the client is
+/// `PartitionState::stored`, which the poll thread reads too.
 #[derive(Default)]
 struct Progress {
     settled: Option<i64>,
-    stored: Option<i64>,
     stalled: bool,
 }
 
@@ -529,7 +529,7 @@ impl Worker {
         let Some(settled) = self.progress().settled else {
             return;
         };
-        if self.progress().stored == Some(settled)
+        if self.state.stored.load(Ordering::SeqCst) == settled
             || self.shared.dead.is_cancelled()
             || self.state.abandon.is_cancelled()
         {
@@ -540,7 +540,6 @@ impl Worker {
         };
         match consumer.store_offset(&self.state.topic, self.state.partition, settled) {
             Ok(()) => {
-                self.progress().stored = Some(settled);
                 self.state.stored.store(settled, Ordering::SeqCst);
                 drop(consumer);
                 let _ = self.probe(Point::AfterStore, settled);

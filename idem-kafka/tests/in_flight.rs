@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Out, builder, committed, engine, mock, produce, unique};
+use common::{Out, builder, committed, engine, mock_topic, produce, unique};
 use idem_core::{Backend, MemoryBackend, State};
 use idem_kafka::{OrderBy, Point, Probe, Verdict};
 use proptest::prelude::*;
@@ -110,8 +110,7 @@ impl Runs {
 /// key) and handler durations, each with its own idempotency key, run with `in_flight`.
 async fn run_case(keys: Vec<u8>, millis: Vec<u8>, in_flight: usize) -> Result<(), TestCaseError> {
     let topic = unique("inflight");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let msgs: Vec<Out> = keys
         .iter()
         .enumerate()
@@ -243,8 +242,7 @@ async fn a_revoke_with_handlers_in_flight_commits_only_the_settled_prefix() {
 /// One attempt of the revoke case; `false` when the batch was split (nothing asserted).
 async fn revoke_with_handlers_in_flight() -> bool {
     let topic = unique("revoke");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     // Offsets 0..8, no key shared: 0, 1 and 3 finish at once; 2, 4, 5 and 6 block until
     // the gate opens, holding all four handler slots, so 7 waits for a slot.
     let msgs: Vec<Out> = (0..8)

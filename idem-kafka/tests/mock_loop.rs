@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{
-    Effects, Out, Recorder, builder, committed, engine, mock, produce, start, unique,
+    Effects, Out, Recorder, builder, committed, engine, mock, mock_topic, produce, start, unique,
     wait_committed,
 };
 use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
@@ -19,8 +19,7 @@ const WAIT: Duration = Duration::from_secs(30);
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicate_is_replayed_not_rerun() {
     let topic = unique("dup");
-    let cluster = mock(1, &[(&topic, 2), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 2);
     let mut msgs = Vec::new();
     for i in 0..20 {
         msgs.push(Out::keyed(
@@ -87,8 +86,7 @@ async fn duplicate_is_replayed_not_rerun() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn json_pointer_key_source() {
     let topic = unique("json");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let msgs: Vec<Out> = (0..5)
         .chain(0..5)
         .map(|i| Out {
@@ -315,8 +313,7 @@ async fn bad_messages_end_in_the_dead_letter_topic_with_headers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
     let topic = unique("held");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let msgs = [
         Out::keyed(0, "a", "1"),
         Out::keyed(0, "held", "2"),
@@ -375,8 +372,7 @@ async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
 async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
     use idem_core::layer::{BackendExt, Chaos, Fault};
     let topic = unique("outage");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let first: Vec<Out> = (0..10)
         .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
         .collect();
@@ -448,8 +444,7 @@ async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_consumers_in_one_group_rebalance() {
     let topic = unique("rebal");
-    let cluster = mock(1, &[(&topic, 4), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 4);
     let msgs: Vec<Out> = (0..400)
         .map(|i| Out::keyed(i % 4, &format!("k{i}"), "x"))
         .collect();
@@ -505,8 +500,7 @@ async fn two_consumers_in_one_group_rebalance() {
 async fn failed_commits_are_retried() {
     use idem_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
     let topic = unique("commit");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (cluster, brokers) = mock_topic(&topic, 1);
     let msgs: Vec<Out> = (0..30)
         .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
         .collect();
@@ -544,8 +538,7 @@ async fn failed_commits_are_retried() {
 async fn a_failed_commit_of_the_last_offsets_is_retried() {
     use idem_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
     let topic = unique("lastcommit");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (cluster, brokers) = mock_topic(&topic, 1);
     let msgs: Vec<Out> = (0..3)
         .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
         .collect();
@@ -659,8 +652,7 @@ async fn partition_concurrency_bounds_handlers_across_partitions() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let run = |limit: Option<usize>| async move {
         let topic = unique("conc");
-        let cluster = mock(1, &[(&topic, 4), (&format!("{topic}.dlq"), 1)]);
-        let brokers = cluster.bootstrap_servers();
+        let (_cluster, brokers) = mock_topic(&topic, 4);
         let msgs: Vec<Out> = (0..24)
             .map(|i| Out::keyed(i % 4, &format!("k{i}"), "x"))
             .collect();
@@ -700,8 +692,7 @@ async fn partition_concurrency_bounds_handlers_across_partitions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn keyless_messages_can_be_processed_without_deduplication() {
     let topic = unique("keyless");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let keyless = Out {
         partition: Some(0),
         payload: b"no key".to_vec(),
@@ -754,8 +745,7 @@ async fn keyless_messages_can_be_processed_without_deduplication() {
 async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
     use std::sync::Mutex;
     let topic = unique("slow");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     produce(&brokers, &topic, &[Out::keyed(0, "slow", "x")]).await;
     let group = unique("g");
     let backend = Arc::new(MemoryBackend::new());
@@ -859,8 +849,7 @@ async fn a_handler_outliving_the_revoke_timeout_loses_its_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_buffer_pauses_the_partition_and_it_resumes_with_each_message_once() {
     let topic = unique("backlog");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let msgs: Vec<Out> = (0..40)
         .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
         .collect();
@@ -922,8 +911,7 @@ async fn a_full_buffer_pauses_the_partition_and_it_resumes_with_each_message_onc
 async fn messages_larger_than_the_byte_bound_get_through_each_once_on_every_partition() {
     use idem_kafka::Point;
     let topic = unique("bytes");
-    let cluster = mock(1, &[(&topic, 2), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 2);
     let payload = "x".repeat(1000);
     let msgs: Vec<Out> = (0..24)
         .map(|i| Out::keyed(i % 2, &format!("k{i}"), &payload))
@@ -935,18 +923,11 @@ async fn messages_larger_than_the_byte_bound_get_through_each_once_on_every_part
     let group = unique("g");
     // Every message is larger than the bound: each partition takes one message while it
     // holds nothing, is paused at the next, and resumes once it holds nothing again.
-    let fx = effects.clone();
     let running = start(
         builder(&brokers, &topic, &group)
             .engine(engine(backend.clone(), "w1", Duration::from_secs(30)))
             .max_buffered_bytes(1)
-            .handler(move |msg, _| {
-                let fx = fx.clone();
-                async move {
-                    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
-                    Ok::<_, HandlerError>(fx.apply(&id))
-                }
-            }),
+            .handler(effects.by_key()),
         &recorder,
     );
     recorder.wait_settled(msgs.len(), WAIT).await;

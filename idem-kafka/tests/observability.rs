@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Out, Recorder, builder, counter, engine, mock, produce, start, unique};
+use common::{Out, Recorder, builder, counter, engine, mock_topic, produce, start, unique};
 use idem_core::layer::{BackendExt, Chaos, Fault};
 use idem_core::{Backend, HandlerError, Key, MemoryBackend};
 use idem_kafka::metrics as names;
@@ -80,8 +80,7 @@ fn install() -> Spans {
 async fn spans_and_counters_follow_each_message() {
     let spans = install();
     let topic = unique("obs");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let group = unique("g");
     let chaos = Chaos::new();
     let faulty = MemoryBackend::new().layer(chaos.clone());

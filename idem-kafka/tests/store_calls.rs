@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Effects, Out, Recorder, builder, engine, mock, produce, start, unique};
+use common::{Effects, Out, Recorder, builder, engine, mock_topic, produce, start, unique};
 use conformance::{CallLog, Counting};
 use idem_core::MemoryBackend;
 use idem_core::layer::BackendExt;
@@ -44,8 +44,7 @@ async fn consume(
 async fn a_batch_of_fresh_keys_costs_one_claim_and_one_settle_and_a_batch_of_duplicates_one_claim()
 {
     let topic = unique("calls");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let n = 300;
     let msgs: Vec<Out> = (0..n)
         .map(|i| Out::keyed(0, &format!("k{i}"), &format!("p{i}")))

@@ -7,7 +7,9 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Out, Recorder, builder, committed, consumer_config, mock, produce, start, unique};
+use common::{
+    Out, Recorder, builder, committed, consumer_config, mock, mock_topic, produce, start, unique,
+};
 use futures::FutureExt;
 use idem_core::{Backend, HandlerError, Key, State, Transactional};
 use idem_kafka::{IdemConsumer, MissingKey};
@@ -203,8 +205,7 @@ async fn a_poll_batch_commits_in_one_transaction_with_the_offset_past_its_last_m
     let (pg, ledger) = common::postgres().await;
     let table = effects_table(&pg, &ledger).await;
     let topic = unique("txbatch");
-    let cluster = mock(1, &[(&topic, 1), (&format!("{topic}.dlq"), 1)]);
-    let brokers = cluster.bootstrap_servers();
+    let (_cluster, brokers) = mock_topic(&topic, 1);
     let msgs: Vec<Out> = (0..60)
         .map(|i| Out::keyed(0, &format!("p{i}"), "x"))
         .collect();

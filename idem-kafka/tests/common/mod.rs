@@ -40,6 +40,14 @@ pub fn mock(brokers: i32, topics: &[(&str, i32)]) -> Mock {
     cluster
 }
 
+/// A one-broker MockCluster with `topic` (of `partitions`) and its dead-letter topic
+/// (`<topic>.dlq`, one partition), and its bootstrap servers.
+pub fn mock_topic(topic: &str, partitions: i32) -> (Mock, String) {
+    let cluster = mock(1, &[(topic, partitions), (&format!("{topic}.dlq"), 1)]);
+    let brokers = cluster.bootstrap_servers();
+    (cluster, brokers)
+}
+
 /// Creates topics through the admin API (for a real broker).
 pub async fn create_topics(brokers: &str, topics: &[(&str, i32)]) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
