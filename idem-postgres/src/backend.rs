@@ -205,14 +205,43 @@ impl PgBackend {
             return Ok(None);
         };
         let until: i64 = row.try_get(0).map_err(|e| map("claim", e))?;
-        Ok(Some(ClaimOutcome::Acquired(Lease {
-            key: c.key.clone(),
-            owner: c.owner.clone(),
-            token: 1,
-            attempts: 1,
-            lease_until: Timestamp::from_millis(u64::try_from(until).unwrap_or(0)),
-            kind: ClaimKind::First,
-        })))
+        Ok(Some(ClaimOutcome::Acquired(first_lease(c, until))))
+    }
+
+    /// The first round of a batch of distinct keys: the keys that do not exist yet are
+    /// inserted (`claim_fresh_many.sql`) and answered; the others are `None`, for
+    /// `claim.sql` to claim. Keys in `repeated` (claimed again later in the batch) also
+    /// get the record the insert wrote, so that their repeats are answered from it.
+    async fn claim_fresh_round(
+        &self,
+        stmt: &ClaimStmt,
+        claims: &[&Claim],
+        repeated: &HashSet<&Key>,
+    ) -> Result<(Vec<Option<ClaimOutcome>>, HashMap<Key, Found>)> {
+        let query = bind_many(sqlx::query(stmt.fresh_many.sql()), claims);
+        let rows = self.timed("claim", query.fetch_all(&self.pool)).await?;
+        let mut out: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
+        let mut found = HashMap::new();
+        let at: HashMap<(&str, &str), usize> = claims
+            .iter()
+            .enumerate()
+            .map(|(i, c)| ((c.key.namespace(), c.key.id()), i))
+            .collect();
+        for row in &rows {
+            let get = |e: sqlx::Error| map("claim", e);
+            let namespace: &str = row.try_get(0).map_err(get)?;
+            let id: &str = row.try_get(1).map_err(get)?;
+            let until: i64 = row.try_get(2).map_err(get)?;
+            let i = *at.get(&(namespace, id)).ok_or_else(|| {
+                Error::corrupt(format!("the fresh insert returned a key not claimed: {id}"))
+            })?;
+            let lease = first_lease(claims[i], until);
+            if repeated.contains(&claims[i].key) {
+                found.insert(lease.key.clone(), Found::first(claims[i], &lease));
+            }
+            out[i] = Some(ClaimOutcome::Acquired(lease));
+        }
+        Ok((out, found))
     }
 
     /// The answer to `claim` from its key's record as read now (`claim_read.sql`), or
@@ -243,28 +272,7 @@ impl PgBackend {
     ) -> Result<(Vec<Option<ClaimOutcome>>, HashMap<Key, Found>)> {
         let query = match claims {
             [c] => bind_one(sqlx::query(stmt.one.sql()), c),
-            _ => {
-                let mut ns = Vec::with_capacity(claims.len());
-                let (mut ids, mut owners, mut ttls) = (Vec::new(), Vec::new(), Vec::new());
-                let (mut fps, mut maxes, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
-                for c in claims {
-                    ns.push(c.key.namespace());
-                    ids.push(c.key.id());
-                    owners.push(&*c.owner);
-                    ttls.push(millis(c.lease_ttl));
-                    fps.push(c.fingerprint.map(|f| f.0.to_vec()));
-                    maxes.push(i32::try_from(c.max_attempts).unwrap_or(i32::MAX));
-                    retentions.push(millis(c.retention));
-                }
-                sqlx::query(stmt.many.sql())
-                    .bind(ns)
-                    .bind(ids)
-                    .bind(owners)
-                    .bind(ttls)
-                    .bind(fps)
-                    .bind(maxes)
-                    .bind(retentions)
-            }
+            _ => bind_many(sqlx::query(stmt.many.sql()), claims),
         };
         let rows = self.timed("claim", query.fetch_all(&self.pool)).await?;
         let mut found = HashMap::with_capacity(rows.len());
@@ -302,13 +310,22 @@ impl PgBackend {
         }
         let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
         let mut pending: Vec<usize> = (0..claims.len()).collect();
+        // A single claim tried its insert above already.
+        let mut first = claims.len() > 1;
         for _ in 0..claims.len() + 16 {
             if pending.is_empty() {
                 break;
             }
             let (round, mut rest) = distinct_round(&pending, |i| &claims[i].key);
             let batch: Vec<&Claim> = round.iter().map(|&i| &claims[i]).collect();
-            let (round_answers, found) = self.claim_round(stmt, &batch).await?;
+            // The first round inserts the keys that do not exist yet, and nothing else;
+            // the rounds after it run the claim statement.
+            let (round_answers, found) = if std::mem::take(&mut first) {
+                let repeated: HashSet<&Key> = rest.iter().map(|&i| &claims[i].key).collect();
+                self.claim_fresh_round(stmt, &batch, &repeated).await?
+            } else {
+                self.claim_round(stmt, &batch).await?
+            };
             for (i, answer) in round.into_iter().zip(round_answers) {
                 match answer {
                     Some(answer) => answers[i] = Some(answer),
@@ -371,6 +388,33 @@ impl Found {
         })
     }
 
+    /// The record a first claim (`claim_fresh_many.sql`) wrote for `lease`, and the
+    /// database clock then (the deadline less the lease's length).
+    fn first(claim: &Claim, lease: &Lease) -> Found {
+        let until = lease.lease_until.as_millis();
+        let rec = Record {
+            key: lease.key.clone(),
+            state: State::Processing,
+            owner: lease.owner.clone(),
+            token: 1,
+            attempts: 1,
+            lease_until: Some(lease.lease_until),
+            fingerprint: claim.fingerprint,
+            response: None,
+            error: None,
+            permanent: false,
+            expires_at: Some(Timestamp::from_millis(
+                until.saturating_add(millis_u64(claim.retention)),
+            )),
+        };
+        Found {
+            rec,
+            written: true,
+            kind: "first".to_owned(),
+            now: Timestamp::from_millis(until.saturating_sub(millis_u64(claim.lease_ttl))),
+        }
+    }
+
     /// The answer `claim` gets from this record without writing, or `None` where the
     /// claim writes (it takes the record, or turns a lapsed lease with no attempts left
     /// failed): a statement must do that.
@@ -406,6 +450,48 @@ fn bind_one<'q>(query: PgQuery<'q>, c: &'q Claim) -> PgQuery<'q> {
         .bind(c.fingerprint.map(|f| f.0.to_vec()))
         .bind(i32::try_from(c.max_attempts).unwrap_or(i32::MAX))
         .bind(millis(c.retention))
+}
+
+/// The parameters of a batch of claims as arrays, one element per claim: `$1` to `$7` of
+/// `claim_fresh_many.sql` and of `claim.sql`'s batch input.
+fn bind_many<'q>(query: PgQuery<'q>, claims: &[&'q Claim]) -> PgQuery<'q> {
+    let mut ns = Vec::with_capacity(claims.len());
+    let (mut ids, mut owners, mut ttls) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut fps, mut maxes, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
+    for c in claims {
+        ns.push(c.key.namespace());
+        ids.push(c.key.id());
+        owners.push(&*c.owner);
+        ttls.push(millis(c.lease_ttl));
+        fps.push(c.fingerprint.map(|f| f.0.to_vec()));
+        maxes.push(i32::try_from(c.max_attempts).unwrap_or(i32::MAX));
+        retentions.push(millis(c.retention));
+    }
+    query
+        .bind(ns)
+        .bind(ids)
+        .bind(owners)
+        .bind(ttls)
+        .bind(fps)
+        .bind(maxes)
+        .bind(retentions)
+}
+
+/// The lease of a first claim of `c` (token 1, attempt 1), lasting until `until_ms`.
+fn first_lease(c: &Claim, until_ms: i64) -> Lease {
+    Lease {
+        key: c.key.clone(),
+        owner: c.owner.clone(),
+        token: 1,
+        attempts: 1,
+        lease_until: Timestamp::from_millis(u64::try_from(until_ms).unwrap_or(0)),
+        kind: ClaimKind::First,
+    }
+}
+
+/// [`millis`] as unsigned.
+fn millis_u64(d: Duration) -> u64 {
+    u64::try_from(millis(d)).unwrap_or(0)
 }
 
 /// A duration as whole milliseconds for SQL intervals, capped at about a century.

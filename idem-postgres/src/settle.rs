@@ -64,6 +64,31 @@ impl<'a> Round<'a> {
     }
 }
 
+/// The completes at `round` of `items` as `complete_many.sql`'s arrays, $1 to $5.
+fn completes<'a>(query: PgQuery<'a>, round: &[usize], items: &'a [Settlement]) -> PgQuery<'a> {
+    let mut ns = Vec::with_capacity(round.len());
+    let mut ids = Vec::with_capacity(round.len());
+    let mut tokens = Vec::with_capacity(round.len());
+    let mut owners = Vec::with_capacity(round.len());
+    let mut responses = Vec::with_capacity(round.len());
+    for &i in round {
+        let lease = &items[i].lease;
+        ns.push(lease.key.namespace());
+        ids.push(lease.key.id());
+        tokens.push(i64::try_from(lease.token).unwrap_or(i64::MAX));
+        owners.push(&*lease.owner);
+        if let Settle::Complete(response) = &items[i].settle {
+            responses.push(response.as_ref());
+        }
+    }
+    query
+        .bind(ns)
+        .bind(ids)
+        .bind(tokens)
+        .bind(owners)
+        .bind(responses)
+}
+
 /// The 0-based positions a statement returned as 1-based `n`.
 pub(crate) fn positions(rows: &[PgRow], what: &str) -> Result<Vec<usize>> {
     rows.iter()
@@ -101,11 +126,18 @@ impl PgBackend {
         let retention = millis(retention);
         while !pending.is_empty() {
             let (round, rest) = distinct_round(&pending, |i| &items[i].lease.key);
-            let mut p = Round::default();
-            for &i in &round {
-                p.push(&items[i], retention);
-            }
-            let query = p.bind(sqlx::query(self.sql.settle_many.sql()));
+            let completes_only = round
+                .iter()
+                .all(|&i| matches!(items[i].settle, Settle::Complete(_)));
+            let query = if completes_only {
+                completes(sqlx::query(self.sql.complete_many.sql()), &round, items).bind(retention)
+            } else {
+                let mut p = Round::default();
+                for &i in &round {
+                    p.push(&items[i], retention);
+                }
+                p.bind(sqlx::query(self.sql.settle_many.sql()))
+            };
             let rows = self.timed("settle", query.fetch_all(&self.pool)).await?;
             for n in positions(&rows, "settle")? {
                 let i = round

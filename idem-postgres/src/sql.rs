@@ -105,6 +105,7 @@ impl Stmt {
 const CLAIM: &str = include_str!("../sql/claim.sql");
 const SETTLE: &str = include_str!("../sql/settle_many.sql");
 const FRESH: &str = include_str!("../sql/claim_fresh.sql");
+const FRESH_MANY: &str = include_str!("../sql/claim_fresh_many.sql");
 
 /// The claims of `claim.sql` as arrays, one element per claim.
 const INPUT_MANY: &str = "SELECT namespace, id, owner, ttl_ms, fingerprint, \
@@ -118,13 +119,14 @@ const INPUT_ONE: &str = "SELECT $1::text AS namespace, $2::text AS id, $3::text 
     $4::int8 AS ttl_ms, $5::bytea AS fingerprint, greatest($6::int4, 1) AS max_attempts, \
     $7::int8 AS retention_ms";
 
-/// The claim statement for a batch and for one claim, and the insert tried first for one
-/// claim, with the same commit mode.
+/// The claim statement for a batch and for one claim, and the inserts tried first for one
+/// claim and for a batch, with the same commit mode.
 #[derive(Debug)]
 pub(crate) struct ClaimStmt {
     pub many: Stmt,
     pub one: Stmt,
     pub fresh: Stmt,
+    pub fresh_many: Stmt,
 }
 
 impl ClaimStmt {
@@ -134,6 +136,7 @@ impl ClaimStmt {
             many: Stmt::new(&claim.replace("{input}", INPUT_MANY), schema),
             one: Stmt::new(&claim.replace("{input}", INPUT_ONE), schema),
             fresh: Stmt::new(&FRESH.replace("{commit_mode}", returning), schema),
+            fresh_many: Stmt::new(&FRESH_MANY.replace("{commit_mode}", returning), schema),
         }
     }
 }
@@ -149,6 +152,8 @@ pub(crate) struct Statements {
     pub complete_with_offset: Stmt,
     pub complete: Stmt,
     pub settle_many: Stmt,
+    /// `settle_many` for a round of completes only.
+    pub complete_many: Stmt,
     /// `settle_many` that also stores an offset (batch transactional mode).
     pub settle_batch: Stmt,
     pub lock_batch: Stmt,
@@ -177,6 +182,7 @@ impl Statements {
             complete_with_offset: s(include_str!("../sql/complete_with_offset.sql")),
             complete: s(include_str!("../sql/complete.sql")),
             settle_many: s(&SETTLE.replace("{offset}", "")),
+            complete_many: s(include_str!("../sql/complete_many.sql")),
             settle_batch: s(&SETTLE.replace("{offset}", include_str!("../sql/batch_offset.sql"))),
             lock_batch: s(include_str!("../sql/lock_batch.sql")),
             claim_read: s(include_str!("../sql/claim_read.sql")),

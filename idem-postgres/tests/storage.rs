@@ -462,6 +462,65 @@ async fn one_fresh_claim_is_one_insert_and_a_duplicates_an_insert_and_a_read() {
     assert!(sent[1].starts_with("SELECT"), "{sent:?}");
 }
 
+/// A batch of new keys is one plain insert (`claim_fresh_many.sql`), and a key repeated
+/// in it is answered from the record that insert wrote, with no statement of its own. A
+/// round of completes is one update (`complete_many.sql`). A batch with a key that exists
+/// runs the insert, then the claim statement for that key.
+#[tokio::test]
+async fn a_fresh_batch_is_one_insert_and_its_completes_one_update() {
+    let backend = common::backend().await;
+    let (seen, _guard) = statements();
+    let take = || std::mem::take(&mut *seen.lock().expect("lock"));
+    let mut claims: Vec<Claim> = (0..3)
+        .map(|i| claim(&format!("fresh-batch{i}"), RETENTION))
+        .collect();
+    claims.push(claim("fresh-batch0", RETENTION));
+    let answers = backend.claim_many(&claims).await.expect("claim_many");
+    let sent = take();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert!(sent[0].starts_with("INSERT INTO"), "{sent:?}");
+    let leases: Vec<idem_core::Lease> = answers[..3]
+        .iter()
+        .map(|a| match a {
+            ClaimOutcome::Acquired(lease) => lease.clone(),
+            other => panic!("a fresh key answered {other:?}"),
+        })
+        .collect();
+    assert!(
+        leases.iter().all(|l| (l.token, l.attempts) == (1, 1)),
+        "{leases:?}"
+    );
+    match &answers[3] {
+        ClaimOutcome::InProgress { lease_until, .. } => {
+            assert_eq!(*lease_until, leases[0].lease_until);
+        }
+        other => panic!("the repeated key answered {other:?}"),
+    }
+
+    settle(&backend, leases).await;
+    let sent = take();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert!(sent[0].starts_with("WITH i AS"), "{sent:?}");
+
+    let claims = [
+        claim("fresh-batch0", RETENTION),
+        claim("fresh-batch9", RETENTION),
+    ];
+    let answers = backend.claim_many(&claims).await.expect("claim_many");
+    let sent = take();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert!(sent[0].starts_with("INSERT INTO"), "{sent:?}");
+    assert!(sent[1].starts_with("WITH input"), "{sent:?}");
+    assert!(
+        matches!(&answers[0], ClaimOutcome::Completed(r) if r.as_ref() == b"done"),
+        "{answers:?}"
+    );
+    assert!(
+        matches!(&answers[1], ClaimOutcome::Acquired(_)),
+        "{answers:?}"
+    );
+}
+
 /// A connection listening on the channel the settle triggers notify.
 async fn settled_listener(backend: &PgBackend) -> sqlx::postgres::PgListener {
     let mut listener = sqlx::postgres::PgListener::connect_with(backend.pool())
