@@ -84,6 +84,26 @@ fn insert(
     }
 }
 
+/// `insert`, after `delay` of other work.
+fn slow_insert(
+    ledger: String,
+    key: String,
+    task: i32,
+    delay: Duration,
+) -> impl for<'t> FnOnce(
+    &'t mut PgTransaction,
+    idem_core::Lease,
+) -> futures::future::BoxFuture<'t, Result<Bytes, HandlerError>>
++ Send {
+    move |tx, lease| {
+        async move {
+            tokio::time::sleep(delay).await;
+            insert(ledger, key, task)(tx, lease).await
+        }
+        .boxed()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn thirty_two_tasks_on_one_key_leave_exactly_one_row() {
     let (backend, ledger) = setup().await;
@@ -416,4 +436,56 @@ async fn a_panicking_handler_rolls_back_and_counts_as_a_failure() {
         other => panic!("expected Failed, got {other:?}"),
     }
     assert_eq!(count(&backend, &ledger).await, 0);
+}
+
+/// Layers wrap transactional mode too. The chaos layer refuses a transaction before it
+/// reaches the store (nothing commits, not even the claim); a timeout layer lets through
+/// a transaction whose handler outlasts its limit (the store bounds its statements, the
+/// lease the handler); the retry layer passes outcomes and offsets through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layers_wrap_transactions_and_leave_their_length_to_the_lease() {
+    use idem_core::layer::{BackendExt, Chaos, Fault, RetryLayer, TimeoutLayer};
+    let (backend, ledger) = setup().await;
+    let chaos = Chaos::new();
+    let limit = Duration::from_millis(20);
+    let layered = backend
+        .clone()
+        .layer(chaos.clone())
+        .layer(TimeoutLayer::new(limit))
+        .layer(RetryLayer::new().with_tries(1));
+    let key = Key::new("tx", "layered").expect("key");
+    let c = claim(&key, "w", Duration::from_secs(10));
+
+    chaos.set(Fault::Claim, true);
+    let refused = layered
+        .execute_in_transaction(
+            &c,
+            HOUR,
+            Some(&payments_at(0)),
+            insert(ledger.clone(), "k".into(), 1),
+        )
+        .await;
+    assert!(
+        matches!(refused, Err(idem_core::Error::Unavailable { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(backend.get(&key).await.expect("get"), None);
+    chaos.set(Fault::Claim, false);
+
+    // Work that takes longer than the timeout layer's limit.
+    let slow = slow_insert(ledger.clone(), "k".into(), 2, limit * 5);
+    let outcome = layered
+        .execute_in_transaction(&c, HOUR, Some(&payments_at(0)), slow)
+        .await
+        .expect("a transaction longer than the limit");
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert_eq!(count(&backend, &ledger).await, 1);
+    assert_eq!(
+        layered.stored_offsets("g").await.expect("offsets"),
+        vec![StoredOffset {
+            topic: "payments".into(),
+            partition: 0,
+            next_offset: 1,
+        }]
+    );
 }

@@ -16,15 +16,16 @@ use crate::{Backend, Error, Key, Result, Watch};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub enum Fault {
-    /// `claim` and `claim_many`.
+    /// `claim` and `claim_many`, and transactions (which claim first).
     Claim = 1,
-    /// `complete`, and `settle_many` of a batch with a complete in it.
+    /// `complete`, `settle_many` of a batch with a complete in it, transactions (which
+    /// complete at their end) and `store_offset`.
     Complete = 2,
     /// `fail` and `release`, and `settle_many` of a batch with either in it.
     Fail = 4,
     /// `extend`.
     Extend = 8,
-    /// `get`, `delete`, `purge_expired` and `list`.
+    /// `get`, `delete`, `purge_expired`, `list` and `stored_offsets`.
     Read = 16,
     /// Notifications: `watch` hands out a watch nothing wakes (every notification lost),
     /// while the capabilities still say the backend notifies.
@@ -34,10 +35,10 @@ pub enum Fault {
 impl Fault {
     fn of(call: &Call<'_>) -> u32 {
         let mut bits = 0;
-        if matches!(call.op, Op::Claim | Op::ClaimMany) {
+        if matches!(call.op, Op::Claim | Op::ClaimMany) || call.op.runs_handlers() {
             bits |= Fault::Claim as u32;
         }
-        if call.completes() {
+        if call.completes() || call.op.runs_handlers() || call.op == Op::StoreOffset {
             bits |= Fault::Complete as u32;
         }
         if call.fails_or_releases() {
@@ -46,7 +47,10 @@ impl Fault {
         if call.op == Op::Extend {
             bits |= Fault::Extend as u32;
         }
-        if matches!(call.op, Op::Get | Op::Delete | Op::PurgeExpired | Op::List) {
+        if matches!(
+            call.op,
+            Op::Get | Op::Delete | Op::PurgeExpired | Op::List | Op::StoredOffsets
+        ) {
             bits |= Fault::Read as u32;
         }
         bits

@@ -38,8 +38,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::{
-    Backend, Capabilities, Claim, ClaimOutcome, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Settle, Settlement, Timestamp, Watch,
+    Backend, Capabilities, Claim, ClaimOutcome, FailureKind, Key, Lease, ListFilter,
+    OffsetPosition, Outcome, Record, Result, Settle, Settlement, StoredOffset, Timestamp,
+    Transactional, TxFuture, Watch,
 };
 
 /// Makes a backend out of another, as `tower::Layer` does for services.
@@ -86,6 +87,14 @@ pub enum Op {
     PurgeExpired,
     /// [`Backend::list`]
     List,
+    /// [`Transactional::execute_in_transaction`]
+    Transaction,
+    /// [`Transactional::execute_batch_in_transaction`]
+    BatchTransaction,
+    /// [`Transactional::store_offset`]
+    StoreOffset,
+    /// [`Transactional::stored_offsets`]
+    StoredOffsets,
 }
 
 impl Op {
@@ -103,7 +112,17 @@ impl Op {
             Op::Delete => "delete",
             Op::PurgeExpired => "purge_expired",
             Op::List => "list",
+            Op::Transaction => "execute_in_transaction",
+            Op::BatchTransaction => "execute_batch_in_transaction",
+            Op::StoreOffset => "store_offset",
+            Op::StoredOffsets => "stored_offsets",
         }
+    }
+
+    /// Whether the call runs the caller's handlers inside it (a transaction), so that its
+    /// length is theirs as much as the store's.
+    pub fn runs_handlers(self) -> bool {
+        matches!(self, Op::Transaction | Op::BatchTransaction)
     }
 }
 
@@ -260,5 +279,58 @@ impl<B: Backend, H: Around> Backend for Layered<B, H> {
     }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
+    }
+}
+
+/// Transactional mode through a layer: each transaction is one call to the hook, its
+/// handlers' run included, so [`Observe`] counts and times transactions and [`Chaos`] can
+/// refuse them. [`TimeoutLayer`] lets transactions through unbounded: the store bounds
+/// each of its statements, and the lease bounds the handlers.
+#[async_trait]
+impl<B: Transactional, H: Around> Transactional for Layered<B, H> {
+    type Tx = B::Tx;
+
+    async fn execute_in_transaction<F>(
+        &self,
+        claim: &Claim,
+        retention: Duration,
+        offset: Option<&OffsetPosition>,
+        handler: F,
+    ) -> Result<Outcome>
+    where
+        F: for<'t> FnOnce(&'t mut Self::Tx, Lease) -> TxFuture<'t> + Send,
+    {
+        let next = self
+            .inner
+            .execute_in_transaction(claim, retention, offset, handler);
+        self.hook.around(Call::of(Op::Transaction, 1), next).await
+    }
+
+    async fn execute_batch_in_transaction<F, O>(
+        &self,
+        claims: &[Claim],
+        retention: Duration,
+        handler: F,
+        offset: O,
+    ) -> Result<Vec<Outcome>>
+    where
+        F: for<'t> FnMut(&'t mut Self::Tx, usize, Lease) -> TxFuture<'t> + Send,
+        O: FnOnce(&[Outcome]) -> Option<OffsetPosition> + Send,
+    {
+        let next = self
+            .inner
+            .execute_batch_in_transaction(claims, retention, handler, offset);
+        let call = Call::of(Op::BatchTransaction, claims.len());
+        self.hook.around(call, next).await
+    }
+
+    async fn store_offset(&self, at: &OffsetPosition) -> Result<()> {
+        let next = self.inner.store_offset(at);
+        self.hook.around(Call::of(Op::StoreOffset, 1), next).await
+    }
+
+    async fn stored_offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
+        let next = self.inner.stored_offsets(group);
+        self.hook.around(Call::of(Op::StoredOffsets, 0), next).await
     }
 }

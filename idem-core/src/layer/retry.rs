@@ -8,8 +8,9 @@ use bytes::Bytes;
 
 use super::Layer;
 use crate::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Settle, Settlement, State, Timestamp, Watch,
+    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter,
+    OffsetPosition, Outcome, Record, Result, Settle, Settlement, State, StoredOffset, Timestamp,
+    Transactional, TxFuture, Watch,
 };
 
 /// Retries a call that answered [`Error::Unavailable`], and only that: every other answer
@@ -248,5 +249,54 @@ impl<B: Backend> Backend for Retry<B> {
     }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
+    }
+}
+
+/// Transactional mode through the retry layer: a transaction is not retried (its claims
+/// committed on their own, so a second run would find its own lease and answer
+/// `InProgress`; the caller retries the message after the lease, as without the layer).
+/// Storing and reading offsets are retried: storing the same next offset again is what
+/// the first try did.
+#[async_trait]
+impl<B: Transactional> Transactional for Retry<B> {
+    type Tx = B::Tx;
+
+    async fn execute_in_transaction<F>(
+        &self,
+        claim: &Claim,
+        retention: Duration,
+        offset: Option<&OffsetPosition>,
+        handler: F,
+    ) -> Result<Outcome>
+    where
+        F: for<'t> FnOnce(&'t mut Self::Tx, Lease) -> TxFuture<'t> + Send,
+    {
+        self.inner
+            .execute_in_transaction(claim, retention, offset, handler)
+            .await
+    }
+
+    async fn execute_batch_in_transaction<F, O>(
+        &self,
+        claims: &[Claim],
+        retention: Duration,
+        handler: F,
+        offset: O,
+    ) -> Result<Vec<Outcome>>
+    where
+        F: for<'t> FnMut(&'t mut Self::Tx, usize, Lease) -> TxFuture<'t> + Send,
+        O: FnOnce(&[Outcome]) -> Option<OffsetPosition> + Send,
+    {
+        self.inner
+            .execute_batch_in_transaction(claims, retention, handler, offset)
+            .await
+    }
+
+    async fn store_offset(&self, at: &OffsetPosition) -> Result<()> {
+        self.retried(|| self.inner.store_offset(at)).await
+    }
+
+    async fn stored_offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
+        self.retried(|| self.inner.stored_offsets(group)).await
     }
 }

@@ -62,6 +62,9 @@ impl Around for TimeoutLayer {
         call: Call<'a>,
         next: BoxFuture<'a, Result<T>>,
     ) -> BoxFuture<'a, Result<T>> {
+        if call.op.runs_handlers() {
+            return next;
+        }
         within(call.op.name(), self.limit, next).boxed()
     }
 }
