@@ -11,7 +11,9 @@
 //! by `WATCH`/`GET`, a prefix check on the client, then `MULTI`/`SET`/`PUBLISH`/`EXEC`, on
 //! a connection of each worker's own (watches are connection state), with the claim on
 //! it too or (`design_watch_multi_claim_shared`) on the shared connection, as the backend
-//! claims; `raw_set_nx_px_then_set_conns` is the raw cycle on such connections. Before it
+//! claims; `raw_set_nx_px_then_set_conns` is the raw cycle on such connections;
+//! `design_watch_multi_128` is the same for a batch, against `claim_settle_many_128`.
+//! Before it
 //! runs, a takeover between the `GET` and the `EXEC` is checked to fail the `EXEC`. The
 //! single-key cases also print the server's time per message summed over the top-level
 //! calls, and a summary of them against the raw cycle at the end.
@@ -121,7 +123,7 @@ where
 
 /// As [`spread`], but each task owns one of `conns` (one per task) and passes it to every
 /// call it makes: per-connection state (a `WATCH`) then belongs to one task at a time.
-async fn spread_conns<C, F, Fut>(iters: u64, conns: Vec<C>, op: F) -> Duration
+async fn spread_conns<C, F, Fut>(iters: u64, weight: u64, conns: Vec<C>, op: F) -> Duration
 where
     C: Clone + Send + 'static,
     F: Fn(C, u64) -> Fut + Send + Sync + 'static,
@@ -149,7 +151,7 @@ where
     for t in tasks {
         t.await.expect("task");
     }
-    ELEMENTS.fetch_add(iters, Ordering::Relaxed);
+    ELEMENTS.fetch_add(iters * weight, Ordering::Relaxed);
     start.elapsed()
 }
 
@@ -431,7 +433,7 @@ fn redis_benches(c: &mut Criterion) {
             b.to_async(&rt).iter_custom(|iters| {
                 let ids = Arc::clone(&ids);
                 let base = ids.take(iters);
-                spread_conns(iters, conns.clone(), move |mut conn, i| {
+                spread_conns(iters, 1, conns.clone(), move |mut conn, i| {
                     let key = ids.raw(base + i);
                     async move {
                         raw_cycle(&mut conn, &key, px).await;
@@ -452,7 +454,7 @@ fn redis_benches(c: &mut Criterion) {
             b.to_async(&rt).iter_custom(|iters| {
                 let (ids, response) = (Arc::clone(&ids), response.clone());
                 let base = ids.take(iters);
-                spread_conns(iters, conns.clone(), move |mut conn, i| {
+                spread_conns(iters, 1, conns.clone(), move |mut conn, i| {
                     let (key, response) = (watch_multi::key(&ids, base + i), response.clone());
                     async move {
                         let fence = watch_multi::claim(&mut conn, &key).await;
@@ -476,7 +478,7 @@ fn redis_benches(c: &mut Criterion) {
             b.to_async(&rt).iter_custom(|iters| {
                 let (ids, response, raw) = (Arc::clone(&ids), response.clone(), raw.clone());
                 let base = ids.take(iters);
-                spread_conns(iters, conns.clone(), move |mut conn, i| {
+                spread_conns(iters, 1, conns.clone(), move |mut conn, i| {
                     let (key, response, mut raw) = (
                         watch_multi::key(&ids, base + i),
                         response.clone(),
@@ -639,6 +641,34 @@ fn redis_benches(c: &mut Criterion) {
                         .await
                         .expect("settle_many");
                     assert!(done.iter().all(Result::is_ok));
+                }
+            })
+        })
+    });
+
+    // The WATCH/MULTI design for a batch: the claims as the backend sends them, then on
+    // the worker's own connection `WATCH` + `MGET` of the batch, the prefix checks on the
+    // client, and `MULTI`, a `SET … KEEPTTL` a key, one `PUBLISH`, `EXEC`.
+    measured!(g, stats, &raw, format!("design_watch_multi_{BATCH}"), |b| {
+        b.to_async(&rt).iter_custom(|iters| {
+            let (backend, ids, response) = (backend.clone(), Arc::clone(&ids), response.clone());
+            let base = ids.take(iters * BATCH);
+            spread_conns(iters, BATCH, conns.clone(), move |mut conn, i| {
+                let claims: Vec<Claim> = (0..BATCH)
+                    .map(|j| claim(ids.key(base + i * BATCH + j)))
+                    .collect();
+                let (backend, response) = (backend.clone(), response.clone());
+                async move {
+                    let answers = backend.claim_many(&claims).await.expect("claim_many");
+                    assert!(
+                        answers
+                            .iter()
+                            .all(|a| matches!(a, ClaimOutcome::Acquired(_)))
+                    );
+                    let keys: Vec<String> =
+                        claims.iter().map(|c| backend.record_key(&c.key)).collect();
+                    let done = watch_multi::complete_batch(&mut conn, &keys, &response).await;
+                    assert_eq!(done, keys.len(), "fresh leases fenced");
                 }
             })
         })
@@ -813,6 +843,55 @@ mod watch_multi {
             };
             if write(conn, key, &record, px).await {
                 return true;
+            }
+            RETRIES.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A batch of fresh first claims (token 1, owner `bench`) completed in two round trips:
+    /// `WATCH` and `MGET` of every key, then `MULTI`, `SET … KEEPTTL` of each record that
+    /// still carries the lease's prefix, one `PUBLISH` of those keys, `EXEC`; read again
+    /// after a nil `EXEC`. How many were done.
+    pub(super) async fn complete_batch(
+        conn: &mut MultiplexedConnection,
+        keys: &[String],
+        response: &[u8],
+    ) -> usize {
+        let fence = fence(1);
+        loop {
+            let (values,): (Vec<Option<Vec<u8>>>,) = redis::pipe()
+                .cmd("WATCH")
+                .arg(keys)
+                .ignore()
+                .cmd("MGET")
+                .arg(keys)
+                .query_async(conn)
+                .await
+                .expect("WATCH, MGET");
+            let mut write = redis::pipe();
+            write.atomic();
+            let mut done = Vec::with_capacity(keys.len());
+            for (key, value) in keys.iter().zip(&values) {
+                let record = value
+                    .as_deref()
+                    .and_then(|v| completed(v, &fence, response));
+                if let Some(record) = record {
+                    write
+                        .cmd("SET")
+                        .arg(key)
+                        .arg(record)
+                        .arg("KEEPTTL")
+                        .ignore();
+                    done.push(key.as_str());
+                }
+            }
+            write.cmd("PUBLISH").arg(CHANNEL).arg(done.join("\0"));
+            let exec: Option<(i64,)> = write
+                .query_async(conn)
+                .await
+                .expect("MULTI, SET, PUBLISH, EXEC");
+            if exec.is_some() {
+                return done.len();
             }
             RETRIES.fetch_add(1, Ordering::Relaxed);
         }
