@@ -86,6 +86,11 @@ fn claim(key: Key) -> Claim {
     }
 }
 
+/// Claims of the `n` keys numbered from `first`.
+fn batch_claims(ids: &Ids, first: u64, n: u64) -> Vec<Claim> {
+    (0..n).map(|j| claim(ids.key(first + j))).collect()
+}
+
 /// Messages (or raw cycles) done so far, for the server's cost per message.
 static ELEMENTS: AtomicU64 = AtomicU64::new(0);
 
@@ -621,9 +626,7 @@ fn redis_benches(c: &mut Criterion) {
             let (backend, ids, response) = (backend.clone(), Arc::clone(&ids), response.clone());
             let base = ids.take(iters * BATCH);
             spread(iters, BATCH, move |i| {
-                let claims: Vec<Claim> = (0..BATCH)
-                    .map(|j| claim(ids.key(base + i * BATCH + j)))
-                    .collect();
+                let claims = batch_claims(&ids, base + i * BATCH, BATCH);
                 let (backend, response) = (backend.clone(), response.clone());
                 async move {
                     let answers = backend.claim_many(&claims).await.expect("claim_many");
@@ -654,9 +657,7 @@ fn redis_benches(c: &mut Criterion) {
             let (backend, ids, response) = (backend.clone(), Arc::clone(&ids), response.clone());
             let base = ids.take(iters * BATCH);
             spread_conns(iters, BATCH, conns.clone(), move |mut conn, i| {
-                let claims: Vec<Claim> = (0..BATCH)
-                    .map(|j| claim(ids.key(base + i * BATCH + j)))
-                    .collect();
+                let claims = batch_claims(&ids, base + i * BATCH, BATCH);
                 let (backend, response) = (backend.clone(), response.clone());
                 async move {
                     let answers = backend.claim_many(&claims).await.expect("claim_many");
@@ -681,9 +682,7 @@ fn redis_benches(c: &mut Criterion) {
                 let (backend, ids) = (backend.clone(), Arc::clone(&ids));
                 let base = ids.take(iters * batch);
                 spread(iters, batch, move |i| {
-                    let claims: Vec<Claim> = (0..batch)
-                        .map(|j| claim(ids.key(base + i * batch + j)))
-                        .collect();
+                    let claims = batch_claims(&ids, base + i * batch, batch);
                     let backend = backend.clone();
                     async move {
                         let answers = backend.claim_many(&claims).await.expect("claim_many");
