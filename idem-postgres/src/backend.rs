@@ -3,6 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -84,6 +85,10 @@ pub struct PgBackend {
     /// The `LISTEN` feed of [`Backend::watch`], started by the first watch and shared by
     /// clones (see `notify.rs`).
     feed: Arc<OnceLock<Feed>>,
+    /// Whether most keys of the last batch claim were new: the next batch then tries the
+    /// plain insert first (`claim_fresh_many.sql`), else goes straight to `claim.sql`, so a
+    /// run of redelivered batches costs one round trip a batch, not two. Shared by clones.
+    fresh_batches: Arc<AtomicBool>,
 }
 
 impl PgBackend {
@@ -135,6 +140,7 @@ impl PgBackend {
             purge_batch: config.purge_batch.max(1),
             timeout: idem_core::clock::capped(config.connect_timeout).saturating_mul(2),
             feed: Arc::default(),
+            fresh_batches: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -312,20 +318,32 @@ impl PgBackend {
         let mut pending: Vec<usize> = (0..claims.len()).collect();
         // A single claim tried its insert above already.
         let mut first = claims.len() > 1;
+        let mut try_insert = first && self.fresh_batches.load(Ordering::Relaxed);
         for _ in 0..claims.len() + 16 {
             if pending.is_empty() {
                 break;
             }
             let (round, mut rest) = distinct_round(&pending, |i| &claims[i].key);
             let batch: Vec<&Claim> = round.iter().map(|&i| &claims[i]).collect();
-            // The first round inserts the keys that do not exist yet, and nothing else;
-            // the rounds after it run the claim statement.
-            let (round_answers, found) = if std::mem::take(&mut first) {
+            // The first round inserts the keys that do not exist yet, and nothing else,
+            // unless the last batch was mostly keys that exist; the rounds after it run the
+            // claim statement.
+            let (round_answers, found) = if std::mem::take(&mut try_insert) {
                 let repeated: HashSet<&Key> = rest.iter().map(|&i| &claims[i].key).collect();
                 self.claim_fresh_round(stmt, &batch, &repeated).await?
             } else {
                 self.claim_round(stmt, &batch).await?
             };
+            if std::mem::take(&mut first) {
+                let new = round_answers
+                    .iter()
+                    .filter(|a| {
+                        matches!(a, Some(ClaimOutcome::Acquired(l)) if l.kind == ClaimKind::First)
+                    })
+                    .count();
+                self.fresh_batches
+                    .store(2 * new >= batch.len(), Ordering::Relaxed);
+            }
             for (i, answer) in round.into_iter().zip(round_answers) {
                 match answer {
                     Some(answer) => answers[i] = Some(answer),

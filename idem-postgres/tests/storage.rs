@@ -465,7 +465,8 @@ async fn one_fresh_claim_is_one_insert_and_a_duplicates_an_insert_and_a_read() {
 /// A batch of new keys is one plain insert (`claim_fresh_many.sql`), and a key repeated
 /// in it is answered from the record that insert wrote, with no statement of its own. A
 /// round of completes is one update (`complete_many.sql`). A batch with a key that exists
-/// runs the insert, then the claim statement for that key.
+/// runs the insert, then the claim statement for that key; after a batch of mostly such
+/// keys, the next batch runs the claim statement alone.
 #[tokio::test]
 async fn a_fresh_batch_is_one_insert_and_its_completes_one_update() {
     let backend = common::backend().await;
@@ -519,6 +520,34 @@ async fn a_fresh_batch_is_one_insert_and_its_completes_one_update() {
         matches!(&answers[1], ClaimOutcome::Acquired(_)),
         "{answers:?}"
     );
+
+    // A batch of keys that all exist (a redelivery) pays the insert once; while batches
+    // stay so, the next goes straight to the claim statement, and a batch of new keys
+    // there switches the insert back on for the batch after it.
+    let replays = [
+        claim("fresh-batch1", RETENTION),
+        claim("fresh-batch2", RETENTION),
+    ];
+    for expected in [&["INSERT INTO", "WITH input"][..], &["WITH input"][..]] {
+        let answers = backend.claim_many(&replays).await.expect("claim_many");
+        assert!(
+            answers
+                .iter()
+                .all(|a| matches!(a, ClaimOutcome::Completed(r) if r.as_ref() == b"done")),
+            "{answers:?}"
+        );
+        let sent = take();
+        assert_eq!(sent.len(), expected.len(), "{sent:?}");
+        for (line, start) in sent.iter().zip(expected) {
+            assert!(line.starts_with(start), "{sent:?}");
+        }
+    }
+    for (batch, start) in [("late-a", "WITH input"), ("late-b", "INSERT INTO")] {
+        leases(&backend, batch, 2).await;
+        let sent = take();
+        assert_eq!(sent.len(), 1, "{sent:?}");
+        assert!(sent[0].starts_with(start), "{sent:?}");
+    }
 }
 
 /// A connection listening on the channel the settle triggers notify.
