@@ -480,7 +480,7 @@ async fn a_fresh_batch_is_one_insert_and_its_completes_one_update() {
     let sent = take();
     assert_eq!(sent.len(), 1, "{sent:?}");
     assert!(sent[0].starts_with("INSERT INTO"), "{sent:?}");
-    let leases: Vec<idem_core::Lease> = answers[..3]
+    let granted: Vec<idem_core::Lease> = answers[..3]
         .iter()
         .map(|a| match a {
             ClaimOutcome::Acquired(lease) => lease.clone(),
@@ -488,17 +488,17 @@ async fn a_fresh_batch_is_one_insert_and_its_completes_one_update() {
         })
         .collect();
     assert!(
-        leases.iter().all(|l| (l.token, l.attempts) == (1, 1)),
-        "{leases:?}"
+        granted.iter().all(|l| (l.token, l.attempts) == (1, 1)),
+        "{granted:?}"
     );
     match &answers[3] {
         ClaimOutcome::InProgress { lease_until, .. } => {
-            assert_eq!(*lease_until, leases[0].lease_until);
+            assert_eq!(*lease_until, granted[0].lease_until);
         }
         other => panic!("the repeated key answered {other:?}"),
     }
 
-    settle(&backend, leases).await;
+    settle(&backend, granted).await;
     let sent = take();
     assert_eq!(sent.len(), 1, "{sent:?}");
     assert!(sent[0].starts_with("WITH i AS"), "{sent:?}");
