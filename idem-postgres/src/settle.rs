@@ -64,8 +64,13 @@ impl<'a> Round<'a> {
     }
 }
 
-/// The completes at `round` of `items` as `complete_many.sql`'s arrays, $1 to $5.
-fn completes<'a>(query: PgQuery<'a>, round: &[usize], items: &'a [Settlement]) -> PgQuery<'a> {
+/// The completes at `round` of `items` as `complete_many.sql`'s arrays, $1 to $5; `None`
+/// if an item of the round is not a complete (the round takes `settle_many.sql`).
+fn completes<'a>(
+    query: PgQuery<'a>,
+    round: &[usize],
+    items: &'a [Settlement],
+) -> Option<PgQuery<'a>> {
     let mut ns = Vec::with_capacity(round.len());
     let mut ids = Vec::with_capacity(round.len());
     let mut tokens = Vec::with_capacity(round.len());
@@ -77,16 +82,19 @@ fn completes<'a>(query: PgQuery<'a>, round: &[usize], items: &'a [Settlement]) -
         ids.push(lease.key.id());
         tokens.push(i64::try_from(lease.token).unwrap_or(i64::MAX));
         owners.push(&*lease.owner);
-        if let Settle::Complete(response) = &items[i].settle {
-            responses.push(response.as_ref());
-        }
+        let Settle::Complete(response) = &items[i].settle else {
+            return None;
+        };
+        responses.push(response.as_ref());
     }
-    query
-        .bind(ns)
-        .bind(ids)
-        .bind(tokens)
-        .bind(owners)
-        .bind(responses)
+    Some(
+        query
+            .bind(ns)
+            .bind(ids)
+            .bind(tokens)
+            .bind(owners)
+            .bind(responses),
+    )
 }
 
 /// The 0-based positions a statement returned as 1-based `n`.
@@ -126,17 +134,15 @@ impl PgBackend {
         let retention = millis(retention);
         while !pending.is_empty() {
             let (round, rest) = distinct_round(&pending, |i| &items[i].lease.key);
-            let completes_only = round
-                .iter()
-                .all(|&i| matches!(items[i].settle, Settle::Complete(_)));
-            let query = if completes_only {
-                completes(sqlx::query(self.sql.complete_many.sql()), &round, items).bind(retention)
-            } else {
-                let mut p = Round::default();
-                for &i in &round {
-                    p.push(&items[i], retention);
+            let query = match completes(sqlx::query(self.sql.complete_many.sql()), &round, items) {
+                Some(query) => query.bind(retention),
+                None => {
+                    let mut p = Round::default();
+                    for &i in &round {
+                        p.push(&items[i], retention);
+                    }
+                    p.bind(sqlx::query(self.sql.settle_many.sql()))
                 }
-                p.bind(sqlx::query(self.sql.settle_many.sql()))
             };
             let rows = self.timed("settle", query.fetch_all(&self.pool)).await?;
             for n in positions(&rows, "settle")? {
