@@ -76,12 +76,29 @@ fn poisoned(rec: &Record) -> ClaimOutcome {
     }
 }
 
+/// The lease and the record of a claim of a key with no live record, granted at `now`:
+/// token 1, attempt 1. For stores whose insert of a fresh record ran on the store's
+/// clock, which then tells `now`.
+pub fn first(claim: &Claim, now: Timestamp) -> (Lease, Record) {
+    granted(None, claim, ClaimKind::First, now)
+}
+
 fn grant(
     prev: Option<&Record>,
     claim: &Claim,
     kind: ClaimKind,
     now: Timestamp,
 ) -> (ClaimOutcome, Option<Record>) {
+    let (lease, record) = granted(prev, claim, kind, now);
+    (ClaimOutcome::Acquired(lease), Some(record))
+}
+
+fn granted(
+    prev: Option<&Record>,
+    claim: &Claim,
+    kind: ClaimKind,
+    now: Timestamp,
+) -> (Lease, Record) {
     let lease_until = now.saturating_add(claim.lease_ttl);
     let record = Record {
         key: claim.key.clone(),
@@ -104,7 +121,7 @@ fn grant(
         lease_until,
         kind,
     };
-    (ClaimOutcome::Acquired(lease), Some(record))
+    (lease, record)
 }
 
 /// Whether `lease` still holds `current`: the record exists, is `Processing`, and carries

@@ -241,11 +241,10 @@ impl PgBackend {
             let i = *at.get(&(namespace, id)).ok_or_else(|| {
                 Error::corrupt(format!("the fresh insert returned a key not claimed: {id}"))
             })?;
-            let lease = first_lease(claims[i], until);
             if repeated.contains(&claims[i].key) {
-                found.insert(lease.key.clone(), Found::first(claims[i], &lease));
+                found.insert(claims[i].key.clone(), Found::first(claims[i], until));
             }
-            out[i] = Some(ClaimOutcome::Acquired(lease));
+            out[i] = Some(ClaimOutcome::Acquired(first_lease(claims[i], until)));
         }
         Ok((out, found))
     }
@@ -406,30 +405,15 @@ impl Found {
         })
     }
 
-    /// The record a first claim (`claim_fresh_many.sql`) wrote for `lease`, and the
-    /// database clock then (the deadline less the lease's length).
-    fn first(claim: &Claim, lease: &Lease) -> Found {
-        let until = lease.lease_until.as_millis();
-        let rec = Record {
-            key: lease.key.clone(),
-            state: State::Processing,
-            owner: lease.owner.clone(),
-            token: 1,
-            attempts: 1,
-            lease_until: Some(lease.lease_until),
-            fingerprint: claim.fingerprint,
-            response: None,
-            error: None,
-            permanent: false,
-            expires_at: Some(Timestamp::from_millis(
-                until.saturating_add(millis_u64(claim.retention)),
-            )),
-        };
+    /// The record a first claim (`claim_fresh_many.sql`) wrote for `claim`, given the
+    /// deadline the database gave its lease.
+    fn first(claim: &Claim, until_ms: i64) -> Found {
+        let now = inserted_at(claim, until_ms);
         Found {
-            rec,
+            rec: machine::first(claim, now).1,
             written: true,
             kind: "first".to_owned(),
-            now: Timestamp::from_millis(until.saturating_sub(millis_u64(claim.lease_ttl))),
+            now,
         }
     }
 
@@ -497,19 +481,14 @@ fn bind_many<'q>(query: PgQuery<'q>, claims: &[&'q Claim]) -> PgQuery<'q> {
 
 /// The lease of a first claim of `c` (token 1, attempt 1), lasting until `until_ms`.
 fn first_lease(c: &Claim, until_ms: i64) -> Lease {
-    Lease {
-        key: c.key.clone(),
-        owner: c.owner.clone(),
-        token: 1,
-        attempts: 1,
-        lease_until: Timestamp::from_millis(u64::try_from(until_ms).unwrap_or(0)),
-        kind: ClaimKind::First,
-    }
+    machine::first(c, inserted_at(c, until_ms)).0
 }
 
-/// [`millis`] as unsigned.
-fn millis_u64(d: Duration) -> u64 {
-    u64::try_from(millis(d)).unwrap_or(0)
+/// The database's clock when it inserted the first record of `c`, whose lease it gave
+/// deadline `until_ms`: the deadline less the lease's length.
+fn inserted_at(c: &Claim, until_ms: i64) -> Timestamp {
+    let until = u64::try_from(until_ms).unwrap_or(0);
+    Timestamp::from_millis(until.saturating_sub(u64::try_from(millis(c.lease_ttl)).unwrap_or(0)))
 }
 
 /// A duration as whole milliseconds for SQL intervals, capped at about a century.
@@ -734,8 +713,14 @@ pub(crate) fn fenced<'q>(query: PgQuery<'q>, lease: &'q Lease) -> PgQuery<'q> {
     query
         .bind(lease.key.namespace())
         .bind(lease.key.id())
-        .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+        .bind(token(lease))
         .bind(&*lease.owner)
+}
+
+/// A lease's token as the `BIGINT` column holds it (one past `i64::MAX`, which no record
+/// reaches, is sent as `i64::MAX`).
+pub(crate) fn token(lease: &Lease) -> i64 {
+    i64::try_from(lease.token).unwrap_or(i64::MAX)
 }
 
 pub(crate) fn fenced_error(lease: &Lease) -> Error {

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use idem_core::{Claim, ClaimKind, ClaimOutcome, Lease, Result, State, Timestamp, machine};
+use idem_core::{Claim, ClaimOutcome, Result, State, Timestamp, machine};
 use redis::Value;
 
 use crate::RedisBackend;
@@ -169,18 +169,13 @@ impl RedisBackend {
 /// `PEXPIRETIME`) says, less the retention it carries. Should the key be gone already (a
 /// lease shorter than the round trip, then an expiry or a delete), the client's estimate.
 fn granted(claim: &Claim, expire: i64) -> ClaimOutcome {
-    let lease_until = match u64::try_from(expire) {
-        Ok(at) => Timestamp::from_millis((at + 1).saturating_sub(millis(claim.retention))),
-        Err(_) => Timestamp::now().saturating_add(claim.lease_ttl),
+    let now = match u64::try_from(expire) {
+        Ok(at) => Timestamp::from_millis(
+            (at + 1).saturating_sub(millis(claim.retention) + millis(claim.lease_ttl)),
+        ),
+        Err(_) => Timestamp::now(),
     };
-    ClaimOutcome::Acquired(Lease {
-        key: claim.key.clone(),
-        owner: claim.owner.clone(),
-        token: 1,
-        attempts: 1,
-        lease_until,
-        kind: ClaimKind::First,
-    })
+    ClaimOutcome::Acquired(machine::first(claim, now).0)
 }
 
 /// The server's clock in milliseconds, from the reply to `TIME` (seconds and microseconds).
