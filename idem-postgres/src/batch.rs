@@ -12,7 +12,7 @@ use idem_core::{
 use sqlx::AssertSqlSafe;
 
 use crate::backend::{PLANNING, PgBackend, millis};
-use crate::settle::{Round, positions};
+use crate::settle::{Fences, Round, positions};
 use crate::transactional::{PgTransaction, acquired};
 
 /// The savepoint each handler runs under. One name serves: `ROLLBACK TO` keeps it for the
@@ -153,19 +153,11 @@ impl PgBackend {
         leases: &[(usize, Lease)],
         isolation: Isolation,
     ) -> Result<Vec<bool>> {
-        let (mut ns, mut ids, mut tokens, mut owners) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut fences = Fences::with_capacity(leases.len());
         for (_, lease) in leases {
-            ns.push(lease.key.namespace());
-            ids.push(lease.key.id());
-            tokens.push(i64::try_from(lease.token).unwrap_or(i64::MAX));
-            owners.push(&*lease.owner);
+            fences.push(lease);
         }
-        let query = sqlx::query(self.sql.lock_batch.sql())
-            .bind(ns)
-            .bind(ids)
-            .bind(tokens)
-            .bind(owners);
+        let query = fences.bind(sqlx::query(self.sql.lock_batch.sql()));
         let rows = self.timed("lock batch", query.fetch_all(&mut **tx)).await?;
         let mut held = vec![false; leases.len()];
         for n in positions(&rows, "lock batch")? {

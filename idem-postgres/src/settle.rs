@@ -3,20 +3,54 @@
 
 use std::time::Duration;
 
-use idem_core::{Error, FailureKind, Result, Settle, Settlement};
+use idem_core::{Error, FailureKind, Lease, Result, Settle, Settlement};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::backend::{PgBackend, PgQuery, distinct_round, fenced_error, millis};
+use crate::backend::{PgBackend, PgQuery, distinct_round, fenced_error, millis, token};
 use crate::error::map;
 
-/// One round's parameters, one element per item, in `settle_many.sql`'s order.
+/// The four arrays every batch statement that checks leases starts with: namespaces, ids,
+/// tokens and owners, one element per lease.
 #[derive(Default)]
-pub(crate) struct Round<'a> {
+pub(crate) struct Fences<'a> {
     ns: Vec<&'a str>,
     ids: Vec<&'a str>,
     tokens: Vec<i64>,
     owners: Vec<&'a str>,
+}
+
+impl<'a> Fences<'a> {
+    pub(crate) fn with_capacity(n: usize) -> Self {
+        Fences {
+            ns: Vec::with_capacity(n),
+            ids: Vec::with_capacity(n),
+            tokens: Vec::with_capacity(n),
+            owners: Vec::with_capacity(n),
+        }
+    }
+
+    pub(crate) fn push(&mut self, lease: &'a Lease) {
+        self.ns.push(lease.key.namespace());
+        self.ids.push(lease.key.id());
+        self.tokens.push(token(lease));
+        self.owners.push(&*lease.owner);
+    }
+
+    /// Binds the arrays as the statement's parameters $1 to $4.
+    pub(crate) fn bind(self, query: PgQuery<'a>) -> PgQuery<'a> {
+        query
+            .bind(self.ns)
+            .bind(self.ids)
+            .bind(self.tokens)
+            .bind(self.owners)
+    }
+}
+
+/// One round's parameters, one element per item, in `settle_many.sql`'s order.
+#[derive(Default)]
+pub(crate) struct Round<'a> {
+    fences: Fences<'a>,
     actions: Vec<&'static str>,
     responses: Vec<Option<&'a [u8]>>,
     errors: Vec<Option<&'a str>>,
@@ -26,12 +60,7 @@ pub(crate) struct Round<'a> {
 
 impl<'a> Round<'a> {
     pub(crate) fn push(&mut self, item: &'a Settlement, retention: i64) {
-        let lease = &item.lease;
-        self.ns.push(lease.key.namespace());
-        self.ids.push(lease.key.id());
-        self.tokens
-            .push(i64::try_from(lease.token).unwrap_or(i64::MAX));
-        self.owners.push(&*lease.owner);
+        self.fences.push(&item.lease);
         let (action, response, error, permanent) = match &item.settle {
             Settle::Complete(response) => ("complete", Some(response.as_ref()), None, false),
             Settle::Fail { error, kind } => (
@@ -51,11 +80,8 @@ impl<'a> Round<'a> {
 
     /// Binds the round as `settle_many.sql`'s parameters $1 to $9.
     pub(crate) fn bind(self, query: PgQuery<'a>) -> PgQuery<'a> {
-        query
-            .bind(self.ns)
-            .bind(self.ids)
-            .bind(self.tokens)
-            .bind(self.owners)
+        self.fences
+            .bind(query)
             .bind(self.actions)
             .bind(self.responses)
             .bind(self.errors)
@@ -71,30 +97,16 @@ fn completes<'a>(
     round: &[usize],
     items: &'a [Settlement],
 ) -> Option<PgQuery<'a>> {
-    let mut ns = Vec::with_capacity(round.len());
-    let mut ids = Vec::with_capacity(round.len());
-    let mut tokens = Vec::with_capacity(round.len());
-    let mut owners = Vec::with_capacity(round.len());
+    let mut fences = Fences::with_capacity(round.len());
     let mut responses = Vec::with_capacity(round.len());
     for &i in round {
-        let lease = &items[i].lease;
-        ns.push(lease.key.namespace());
-        ids.push(lease.key.id());
-        tokens.push(i64::try_from(lease.token).unwrap_or(i64::MAX));
-        owners.push(&*lease.owner);
         let Settle::Complete(response) = &items[i].settle else {
             return None;
         };
+        fences.push(&items[i].lease);
         responses.push(response.as_ref());
     }
-    Some(
-        query
-            .bind(ns)
-            .bind(ids)
-            .bind(tokens)
-            .bind(owners)
-            .bind(responses),
-    )
+    Some(fences.bind(query).bind(responses))
 }
 
 /// The 0-based positions a statement returned as 1-based `n`.

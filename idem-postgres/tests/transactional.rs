@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
-use idem_core::{Backend, Claim, Fingerprint, HandlerError, Key, Outcome, State, Transactional};
+use idem_core::{
+    Backend, Claim, Fingerprint, HandlerError, Key, Outcome, State, Transactional, TxFuture,
+};
 use idem_postgres::{OffsetPosition, PgBackend, PgTransaction, StoredOffset};
 use sqlx::AssertSqlSafe;
 
@@ -65,23 +67,8 @@ fn insert(
     ledger: String,
     key: String,
     task: i32,
-) -> impl for<'t> FnOnce(
-    &'t mut PgTransaction,
-    idem_core::Lease,
-) -> futures::future::BoxFuture<'t, Result<Bytes, HandlerError>>
-+ Send {
-    move |tx, lease| {
-        async move {
-            let q = format!("INSERT INTO {ledger} (key, by_task) VALUES ($1, $2)");
-            sqlx::query(AssertSqlSafe(q))
-                .bind(key)
-                .bind(task)
-                .execute(&mut **tx)
-                .await?;
-            Ok(Bytes::from(format!("task {task} token {}", lease.token)))
-        }
-        .boxed()
-    }
+) -> impl for<'t> FnOnce(&'t mut PgTransaction, idem_core::Lease) -> TxFuture<'t> + Send {
+    slow_insert(ledger, key, task, Duration::ZERO)
 }
 
 /// `insert`, after `delay` of other work.
@@ -90,15 +77,19 @@ fn slow_insert(
     key: String,
     task: i32,
     delay: Duration,
-) -> impl for<'t> FnOnce(
-    &'t mut PgTransaction,
-    idem_core::Lease,
-) -> futures::future::BoxFuture<'t, Result<Bytes, HandlerError>>
-+ Send {
+) -> impl for<'t> FnOnce(&'t mut PgTransaction, idem_core::Lease) -> TxFuture<'t> + Send {
     move |tx, lease| {
         async move {
-            tokio::time::sleep(delay).await;
-            insert(ledger, key, task)(tx, lease).await
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            let q = format!("INSERT INTO {ledger} (key, by_task) VALUES ($1, $2)");
+            sqlx::query(AssertSqlSafe(q))
+                .bind(key)
+                .bind(task)
+                .execute(&mut **tx)
+                .await?;
+            Ok(Bytes::from(format!("task {task} token {}", lease.token)))
         }
         .boxed()
     }
