@@ -20,8 +20,16 @@ impl Layout {
 
     /// The Redis key holding `key`'s record.
     pub(crate) fn record(&self, key: &Key) -> String {
-        let ns = key.namespace();
-        format!("{}{{{}:{ns}:{}}}", self.prefix, ns.len(), key.id())
+        let (ns, id) = (key.namespace(), key.id());
+        let mut len = itoa::Buffer::new();
+        let len = len.format(ns.len());
+        // Built by hand: `format!` grows the string in steps, and this runs for every key.
+        let mut out =
+            String::with_capacity(self.prefix.len() + len.len() + ns.len() + id.len() + 4);
+        for part in [&self.prefix, "{", len, ":", ns, ":", id, "}"] {
+            out.push_str(part);
+        }
+        out
     }
 
     /// The idem key a Redis key names, if it is one of ours.
