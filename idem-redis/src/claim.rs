@@ -23,7 +23,8 @@ impl RedisBackend {
     /// claims in turn would give it.
     pub(crate) async fn claim_all(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
         let keys: Vec<String> = claims.iter().map(|c| self.record_key(&c.key)).collect();
-        let mut count: HashMap<&str, usize> = HashMap::new();
+        let mut count: HashMap<&str, usize, foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(keys.len(), Default::default());
         for k in &keys {
             *count.entry(k.as_str()).or_default() += 1;
         }
