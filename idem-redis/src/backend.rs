@@ -145,8 +145,7 @@ impl RedisBackend {
 #[async_trait]
 impl Backend for RedisBackend {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
-        let mut answers = self.claim_all(std::slice::from_ref(claim)).await?;
-        answers.pop().ok_or_else(|| bad_reply("claim", "no answer"))
+        self.claim_one(claim).await
     }
 
     /// A pipeline of `SET NX` for the batch, then, for the keys that had a record and need
@@ -187,10 +186,10 @@ impl Backend for RedisBackend {
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
-        let mut cmd = self.shared.library.fcall(Function::Extend, 1);
-        cmd.arg(self.record_key(&lease.key))
-            .arg(fence(lease))
-            .arg(millis(ttl));
+        let key = self.record_key(&lease.key);
+        let bytes = key.len() + lease.owner.len() + 48;
+        let mut cmd = self.shared.library.fcall(Function::Extend, 1, 3, bytes);
+        cmd.arg(key).arg(fence(lease)).arg(millis(ttl));
         let until = self.fcall("extend", cmd).await?;
         let until = int(&until).ok_or_else(|| bad_reply("extend", format!("{until:?}")))?;
         u64::try_from(until)
@@ -202,8 +201,9 @@ impl Backend for RedisBackend {
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>> {
-        let mut cmd = self.shared.library.fcall(Function::Get, 1);
-        cmd.arg(self.record_key(key));
+        let record = self.record_key(key);
+        let mut cmd = self.shared.library.fcall(Function::Get, 1, 1, record.len());
+        cmd.arg(record);
         match self.fcall("get", cmd).await? {
             Value::Array(mut parts) if parts.len() == 2 => {
                 let expire = parts.pop().as_ref().and_then(int);

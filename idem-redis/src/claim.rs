@@ -1,7 +1,7 @@
 //! Claims. A key with no record is claimed with a plain `SET … NX PX … GET` (pipelined for
 //! a batch), which writes the fresh record and its expiry; the server's `TIME`, sent
-//! ahead of it (in a cluster each key's `PEXPIRETIME`, sent after it), gives the lease's
-//! deadline by the server's clock. Where `SET` found a record, a
+//! ahead of a batch (after a single key, and after each key in a cluster, its
+//! `PEXPIRETIME`), gives the lease's deadline by the server's clock. Where `SET` found a record, a
 //! completed or spent one is answered from the value it returned; the rest go to the claim
 //! function (`lua/claim.lua`, see `library.rs`), one call per batch per cluster slot.
 
@@ -19,6 +19,22 @@ use crate::record::{decode_record, fresh};
 use crate::reply::{decode_outcome, int};
 
 impl RedisBackend {
+    /// [`Backend::claim`](idem_core::Backend::claim): `claim_all`'s path for one key,
+    /// without a batch's bookkeeping (counting repeats, grouping by slot).
+    pub(crate) async fn claim_one(&self, claim: &Claim) -> Result<ClaimOutcome> {
+        let keys = [self.record_key(&claim.key)];
+        let claims = std::slice::from_ref(claim);
+        if millis(claim.lease_ttl) + millis(claim.retention) >= 2 {
+            if let Some(Some(answer)) = self.set_nx(&keys, claims, &[0]).await?.pop() {
+                return Ok(answer);
+            }
+        }
+        self.claim_function(&keys, claims, &[0])
+            .await?
+            .pop()
+            .ok_or_else(|| bad_reply("claim", "a claim got no answer"))
+    }
+
     /// [`Backend::claim_many`](idem_core::Backend::claim_many): each answer as the single
     /// claims in turn would give it.
     pub(crate) async fn claim_all(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
@@ -62,33 +78,41 @@ impl RedisBackend {
 
     /// One pipeline of `SET key <fresh record> NX PX <lease + retention - 1> GET` for the
     /// claims at `group` (one slot), and the server's clock: each answer, or `None` where
-    /// the function must decide. On one server the clock is one `TIME` ahead of the
-    /// `SET`s, so a lease granted ends at that time plus its ttl: never later than the
-    /// key's expiry (less the retention) says, which is what decides its lapse. In a
-    /// cluster a keyless `TIME` could run on another node, with another clock, so each key
-    /// is followed by its `PEXPIRETIME` instead.
+    /// the function must decide. For a batch on one server the clock is one `TIME` ahead
+    /// of the `SET`s, so a lease granted ends at that time plus its ttl: never later than
+    /// the key's expiry (less the retention) says, which is what decides its lapse. A
+    /// single key is followed by its `PEXPIRETIME` instead, and so is each key in a
+    /// cluster, where a keyless `TIME` could run on another node, with another clock.
     async fn set_nx(
         &self,
         keys: &[String],
         claims: &[Claim],
         group: &[usize],
     ) -> Result<Vec<Option<ClaimOutcome>>> {
-        let one_clock = matches!(self.conn, Conn::Single(_));
-        let mut pipe = redis::pipe();
+        // One TIME serves a batch; a single key's PEXPIRETIME costs the server the same and
+        // the client less (an integer to read, not two strings).
+        let one_clock = matches!(self.conn, Conn::Single(_)) && group.len() > 1;
+        let mut pipe = redis::Pipeline::with_capacity(2 * group.len());
         if one_clock {
             pipe.cmd("TIME");
         }
         for &i in group {
             let (c, retention) = (&claims[i], millis(claims[i].retention));
-            pipe.cmd("SET")
+            let record = fresh(c, retention);
+            // Sized at once: a command's buffers otherwise grow in steps as arguments come.
+            let mut set = redis::Cmd::with_capacity(7, keys[i].len() + record.len() + 40);
+            set.arg("SET")
                 .arg(&keys[i])
-                .arg(fresh(c, retention))
+                .arg(record)
                 .arg("NX")
                 .arg("PX")
                 .arg(millis(c.lease_ttl) + retention - 1)
                 .arg("GET");
+            pipe.add_command(set);
             if !one_clock {
-                pipe.cmd("PEXPIRETIME").arg(&keys[i]);
+                let mut expiry = redis::Cmd::with_capacity(2, keys[i].len() + 11);
+                expiry.arg("PEXPIRETIME").arg(&keys[i]);
+                pipe.add_command(expiry);
             }
         }
         let mut conn = self.conn.clone();
@@ -141,7 +165,14 @@ impl RedisBackend {
         claims: &[Claim],
         group: &[usize],
     ) -> Result<Vec<ClaimOutcome>> {
-        let mut cmd = self.shared.library.fcall(Function::Claim, group.len());
+        let bytes = group
+            .iter()
+            .map(|&i| keys[i].len() + claims[i].owner.len() + 96)
+            .sum();
+        let mut cmd =
+            self.shared
+                .library
+                .fcall(Function::Claim, group.len(), 6 * group.len(), bytes);
         for &i in group {
             cmd.arg(&keys[i]);
         }

@@ -63,10 +63,13 @@ impl Library {
         &self.name
     }
 
-    /// `FCALL <function> <key count>`, for the caller to add the keys, then the arguments.
-    pub(crate) fn fcall(&self, function: Function, keys: usize) -> Cmd {
-        let mut cmd = redis::cmd("FCALL");
-        cmd.arg(&self.functions[function as usize]).arg(keys);
+    /// `FCALL <function> <key count>`, for the caller to add the keys, then the arguments:
+    /// `args` of them (keys included) and about `bytes` bytes, room for which is made at
+    /// once, so the command does not grow as they are added.
+    pub(crate) fn fcall(&self, function: Function, keys: usize, args: usize, bytes: usize) -> Cmd {
+        let name = &self.functions[function as usize];
+        let mut cmd = Cmd::with_capacity(3 + args, name.len() + 32 + bytes);
+        cmd.arg("FCALL").arg(name).arg(keys);
         cmd
     }
 
@@ -125,7 +128,7 @@ mod tests {
             lib.source
                 .starts_with(&format!("#!lua name={}\n", lib.name()))
         );
-        let cmd = lib.fcall(Function::Settle, 1);
+        let cmd = lib.fcall(Function::Settle, 1, 0, 0);
         let args: Vec<_> = cmd.args_iter().collect();
         assert_eq!(args.len(), 3);
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);

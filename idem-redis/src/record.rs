@@ -3,6 +3,8 @@
 //! record, a lease's fencing prefix) and decoding what Redis answers, in this layout or the
 //! first one ([`crate::v1`]). Anything that does not decode is [`Error::Corrupt`].
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use idem_core::{Claim, Error, Fingerprint, Key, Lease, Record, Result, State, Timestamp};
 use redis::Value;
@@ -108,7 +110,9 @@ fn decode(key: &Key, raw: &[u8], expire: i64) -> Result<Option<Record>, &'static
     let mut f = Fields(rest);
     let token = f.number(b':')?;
     let owner_len = usize::try_from(f.number(b':')?).map_err(|_| "bad length")?;
-    let owner = String::from_utf8(f.take(owner_len)?.to_vec()).map_err(|_| "owner is not UTF-8")?;
+    let owner: Arc<str> = std::str::from_utf8(f.take(owner_len)?)
+        .map_err(|_| "owner is not UTF-8")?
+        .into();
     let fingerprint = match f.take(1)? {
         b"-" => None,
         b"#" => Some(Fingerprint(
@@ -139,7 +143,7 @@ fn decode(key: &Key, raw: &[u8], expire: i64) -> Result<Option<Record>, &'static
     Ok(Some(Record {
         key: key.clone(),
         state,
-        owner: owner.into(),
+        owner,
         token,
         attempts,
         lease_until,

@@ -53,14 +53,17 @@ impl RedisBackend {
             .collect()
     }
 
-    /// A single settle: `Ok`, [`Error::TooLarge`] or [`Error::Fenced`].
+    /// A single settle: `Ok`, [`Error::TooLarge`] or [`Error::Fenced`]. `settle_all`'s
+    /// path for one item, without a batch's bookkeeping.
     pub(crate) async fn settle_one(&self, item: Settlement, retention: Duration) -> Result<()> {
-        let mut answers = self
-            .settle_all(std::slice::from_ref(&item), retention)
-            .await?;
-        answers
-            .pop()
-            .unwrap_or_else(|| Err(bad_reply("settle", "no answer")))
+        self.check_size(&item.settle)?;
+        let keys = [self.record_key(&item.lease.key)];
+        let items = std::slice::from_ref(&item);
+        match self.settle_function(&keys, items, &[0], retention).await?[..] {
+            [true] => Ok(()),
+            [false] => Err(fenced(&item)),
+            _ => Err(bad_reply("settle", "an item got no answer")),
+        }
     }
 
     /// One settle function call for the items at `group`, all in one slot when in a
@@ -72,7 +75,23 @@ impl RedisBackend {
         group: &[usize],
         retention: Duration,
     ) -> Result<Vec<bool>> {
-        let mut cmd = self.shared.library.fcall(Function::Settle, group.len());
+        let bytes = group
+            .iter()
+            .map(|&i| {
+                let text = match &items[i].settle {
+                    Settle::Complete(response) => response.len(),
+                    Settle::Fail { error, .. } => error.len(),
+                    Settle::Release => 0,
+                };
+                keys[i].len() + items[i].lease.owner.len() + text + 32
+            })
+            .sum::<usize>()
+            + self.shared.channel.len()
+            + 24;
+        let mut cmd =
+            self.shared
+                .library
+                .fcall(Function::Settle, group.len(), 4 * group.len() + 2, bytes);
         for &i in group {
             cmd.arg(&keys[i]);
         }

@@ -60,8 +60,12 @@ async fn fresh_keys_and_replays_need_no_script() {
     assert_eq!(after[1] - before[1], 0, "EVAL calls");
     assert_eq!(after[2] - before[2], 129, "SET calls");
     assert_eq!(after[3] - before[3], 0, "FCALL calls");
-    assert_eq!(after[5] - before[5], 2, "TIME calls: one per claim call");
-    assert_eq!(after[6] - before[6], 0, "PEXPIRETIME calls");
+    assert_eq!(after[5] - before[5], 1, "TIME calls: one for the batch");
+    assert_eq!(
+        after[6] - before[6],
+        1,
+        "PEXPIRETIME calls: one for the single key"
+    );
 
     // The server has no idem library yet: the first complete finds its function missing,
     // loads the library and calls again.
@@ -143,28 +147,32 @@ async fn server_now(conn: &mut impl ConnectionLike) -> u64 {
 
 /// A lease granted by `SET NX` ends where the key's server-side expiry says, less the
 /// retention: moving that expiry on the server moves the lease, whatever the client holds.
-/// The holder is told a deadline by the server's clock (its `TIME` ahead of the `SET`),
-/// never later than the expiry's.
+/// The holder is told a deadline by the server's clock (a single key's `PEXPIRETIME` after
+/// its `SET`, a batch's `TIME` ahead of its `SET`s), never later than the expiry's.
 #[tokio::test]
 async fn the_server_clock_decides_lapse_on_the_fast_path() {
     let backend = connect(standalone_config()).await;
     let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
-    let k = key("lapse");
-    let record = backend.record_key(&k);
     let retention = HOUR.as_millis() as u64;
     let before = server_now(&mut conn).await;
+    let batch = fresh_batch(3);
+    let leases = backend.claim_many(&batch).await.expect("claim_many");
+    let k = key("lapse");
+    let record = backend.record_key(&k);
     let lease = acquired(backend.claim(&claim(&k, "a")).await.expect("claim"));
-    let expire: u64 = redis::cmd("PEXPIRETIME")
-        .arg(&record)
-        .query_async(&mut conn)
-        .await
-        .expect("PEXPIRETIME");
+    let told = leases.into_iter().map(acquired).chain([lease.clone()]);
+    for (held, claimed) in told.zip(batch.iter().map(|c| &c.key).chain([&k])) {
+        let expire = pexpiretime(&mut conn, &backend.record_key(claimed)).await;
+        let deadline = Timestamp::from_millis(expire + 1 - retention);
+        assert!(
+            held.lease_until <= deadline && held.lease_until.as_millis() >= before + 10_000,
+            "{claimed} told {:?}; the server's clock was {before} before the claim, the \
+             expiry says {deadline:?}",
+            held.lease_until
+        );
+    }
+    let expire = pexpiretime(&mut conn, &record).await;
     let deadline = Timestamp::from_millis(expire + 1 - retention);
-    assert!(
-        lease.lease_until <= deadline && lease.lease_until.as_millis() >= before + 10_000,
-        "told {:?}; the server's clock was {before} before the claim, the expiry says {deadline:?}",
-        lease.lease_until
-    );
     let stored = backend.get(&k).await.expect("get").expect("record");
     assert_eq!(stored.lease_until, Some(deadline));
     assert_eq!(stored.expires_at, Some(Timestamp::from_millis(expire + 1)));
