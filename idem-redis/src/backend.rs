@@ -120,7 +120,9 @@ impl RedisBackend {
         what: &str,
         fut: impl Future<Output = RedisResult<T>>,
     ) -> Result<T> {
-        within(what, self.shared.config.timeout(), fut).await
+        // Boxed once here: the client's futures are large, and each layer of the timeout
+        // would otherwise move (copy) the whole of it.
+        within(what, self.shared.config.timeout(), Box::pin(fut)).await
     }
 
     /// `indices` grouped by the cluster slot of their Redis key (`keys[i]`), in order of
