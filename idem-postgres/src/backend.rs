@@ -197,7 +197,9 @@ impl PgBackend {
         what: &str,
         fut: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T> {
-        within(what, self.timeout, fut).await
+        // Boxed once here: sqlx's futures are large, and each layer of the timeout would
+        // otherwise move (copy) the whole of it.
+        within(what, self.timeout, Box::pin(fut)).await
     }
 
     /// One claim, if its key does not exist yet: the insert alone (`claim_fresh.sql`).
@@ -224,7 +226,7 @@ impl PgBackend {
         claims: &[&Claim],
         repeated: &HashSet<&Key>,
     ) -> Result<(Vec<Option<ClaimOutcome>>, HashMap<Key, Found>)> {
-        let query = bind_many(sqlx::query(stmt.fresh_many.sql()), claims);
+        let query = bind_many(stmt.fresh_many.sql(), claims);
         let rows = self.timed("claim", query.fetch_all(&self.pool)).await?;
         let mut out: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
         let mut found = HashMap::new();
@@ -277,7 +279,7 @@ impl PgBackend {
     ) -> Result<(Vec<Option<ClaimOutcome>>, HashMap<Key, Found>)> {
         let query = match claims {
             [c] => bind_one(sqlx::query(stmt.one.sql()), c),
-            _ => bind_many(sqlx::query(stmt.many.sql()), claims),
+            _ => bind_many(stmt.many.sql(), claims),
         };
         let rows = self.timed("claim", query.fetch_all(&self.pool)).await?;
         let mut found = HashMap::with_capacity(rows.len());
@@ -434,11 +436,9 @@ pub(crate) fn distinct_round<'k>(
     pending: &[usize],
     key: impl Fn(usize) -> &'k Key,
 ) -> (Vec<usize>, Vec<usize>) {
-    let groups = idem_core::group_by(pending.iter().copied(), |&i| key(i));
-    let first = groups.iter().map(|g| g[0]).collect();
-    let mut rest: Vec<usize> = groups.iter().flat_map(|g| g[1..].iter().copied()).collect();
-    rest.sort_unstable();
-    (first, rest)
+    let mut seen: HashSet<&Key, foldhash::fast::FixedState> =
+        HashSet::with_capacity_and_hasher(pending.len(), Default::default());
+    pending.iter().copied().partition(|&i| seen.insert(key(i)))
 }
 
 /// The parameters of one claim, `$1` to `$7` of `claim_fresh.sql` and of `claim.sql`'s
@@ -456,7 +456,12 @@ fn bind_one<'q>(query: PgQuery<'q>, c: &'q Claim) -> PgQuery<'q> {
 
 /// The parameters of a batch of claims as arrays, one element per claim: `$1` to `$7` of
 /// `claim_fresh_many.sql` and of `claim.sql`'s batch input.
-fn bind_many<'q>(query: PgQuery<'q>, claims: &[&'q Claim]) -> PgQuery<'q> {
+fn bind_many<'q>(sql: AssertSqlSafe<Arc<str>>, claims: &[&'q Claim]) -> PgQuery<'q> {
+    let text: usize = claims
+        .iter()
+        .map(|c| c.key.namespace().len() + c.key.id().len() + c.owner.len())
+        .sum();
+    let query = sized(sql, 7, text + 96 * claims.len());
     let mut ns = Vec::with_capacity(claims.len());
     let (mut ids, mut owners, mut ttls) = (Vec::new(), Vec::new(), Vec::new());
     let (mut fps, mut maxes, mut retentions) = (Vec::new(), Vec::new(), Vec::new());
@@ -465,7 +470,7 @@ fn bind_many<'q>(query: PgQuery<'q>, claims: &[&'q Claim]) -> PgQuery<'q> {
         ids.push(c.key.id());
         owners.push(&*c.owner);
         ttls.push(millis(c.lease_ttl));
-        fps.push(c.fingerprint.map(|f| f.0.to_vec()));
+        fps.push(c.fingerprint.as_ref().map(|f| &f.0[..]));
         maxes.push(i32::try_from(c.max_attempts).unwrap_or(i32::MAX));
         retentions.push(millis(c.retention));
     }
@@ -704,6 +709,14 @@ impl Backend for PgBackend {
             .with_notify(true)
             .with_max_response_bytes(self.max_response_bytes)
     }
+}
+
+/// `sql` with room for `params` parameters of about `bytes` bytes in all made at once: a
+/// batch's arrays would otherwise grow the buffer in steps, copying it at each.
+pub(crate) fn sized<'q>(sql: AssertSqlSafe<Arc<str>>, params: usize, bytes: usize) -> PgQuery<'q> {
+    let mut args = sqlx::postgres::PgArguments::default();
+    sqlx::Arguments::reserve(&mut args, params, bytes);
+    sqlx::query_with(sql, args)
 }
 
 pub(crate) type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;

@@ -7,7 +7,7 @@ use idem_core::{Error, FailureKind, Lease, Result, Settle, Settlement};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::backend::{PgBackend, PgQuery, distinct_round, fenced_error, millis, token};
+use crate::backend::{PgBackend, PgQuery, distinct_round, fenced_error, millis, sized, token};
 use crate::error::map;
 
 /// The four arrays every batch statement that checks leases starts with: namespaces, ids,
@@ -109,6 +109,17 @@ fn completes<'a>(
     Some(fences.bind(query).bind(responses))
 }
 
+/// The bytes of an item's text parameters: key, owner, response or error.
+fn text_len(item: &Settlement) -> usize {
+    let lease = &item.lease;
+    let text = match &item.settle {
+        Settle::Complete(response) => response.len(),
+        Settle::Fail { error, .. } => error.len(),
+        Settle::Release => 0,
+    };
+    lease.key.namespace().len() + lease.key.id().len() + lease.owner.len() + text
+}
+
 /// The 0-based positions a statement returned as 1-based `n`.
 pub(crate) fn positions(rows: &[PgRow], what: &str) -> Result<Vec<usize>> {
     rows.iter()
@@ -146,14 +157,17 @@ impl PgBackend {
         let retention = millis(retention);
         while !pending.is_empty() {
             let (round, rest) = distinct_round(&pending, |i| &items[i].lease.key);
-            let query = match completes(sqlx::query(self.sql.complete_many.sql()), &round, items) {
+            let bytes =
+                round.iter().map(|&i| text_len(&items[i])).sum::<usize>() + 64 * round.len();
+            let query = sized(self.sql.complete_many.sql(), 6, bytes);
+            let query = match completes(query, &round, items) {
                 Some(query) => query.bind(retention),
                 None => {
                     let mut p = Round::default();
                     for &i in &round {
                         p.push(&items[i], retention);
                     }
-                    p.bind(sqlx::query(self.sql.settle_many.sql()))
+                    p.bind(sized(self.sql.settle_many.sql(), 9, bytes))
                 }
             };
             let rows = self.timed("settle", query.fetch_all(&self.pool)).await?;
