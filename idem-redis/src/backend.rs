@@ -20,7 +20,7 @@ use crate::conn::{Conn, within};
 use crate::error::bad_reply;
 use crate::keys::Layout;
 use crate::library::{Function, Library};
-use crate::record::{decode_record, fence};
+use crate::record::{Fence, decode_record};
 use crate::reply::int;
 
 /// Durations are sent in milliseconds, at most about a century, so that every deadline
@@ -191,7 +191,7 @@ impl Backend for RedisBackend {
         let key = self.record_key(&lease.key);
         let bytes = key.len() + lease.owner.len() + 48;
         let mut cmd = self.shared.library.fcall(Function::Extend, 1, 3, bytes);
-        cmd.arg(key).arg(fence(lease)).arg(millis(ttl));
+        cmd.arg(key).arg(Fence(lease)).arg(millis(ttl));
         let until = self.fcall("extend", cmd).await?;
         let until = int(&until).ok_or_else(|| bad_reply("extend", format!("{until:?}")))?;
         u64::try_from(until)

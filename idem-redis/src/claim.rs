@@ -15,7 +15,7 @@ use crate::backend::millis;
 use crate::conn::Conn;
 use crate::error::{bad_reply, from_redis};
 use crate::library::Function;
-use crate::record::{decode_record, fresh};
+use crate::record::{Fresh, decode_record};
 use crate::reply::{decode_outcome, int};
 
 impl RedisBackend {
@@ -98,12 +98,14 @@ impl RedisBackend {
         }
         for &i in group {
             let (c, retention) = (&claims[i], millis(claims[i].retention));
-            let record = fresh(c, retention);
             // Sized at once: a command's buffers otherwise grow in steps as arguments come.
-            let mut set = redis::Cmd::with_capacity(7, keys[i].len() + record.len() + 40);
+            let mut set = redis::Cmd::with_capacity(7, keys[i].len() + c.owner.len() + 96);
             set.arg("SET")
                 .arg(&keys[i])
-                .arg(record)
+                .arg(Fresh {
+                    claim: c,
+                    retention_ms: retention,
+                })
                 .arg("NX")
                 .arg("PX")
                 .arg(millis(c.lease_ttl) + retention - 1)

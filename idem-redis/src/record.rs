@@ -3,51 +3,68 @@
 //! record, a lease's fencing prefix) and decoding what Redis answers, in this layout or the
 //! first one ([`crate::v1`]). Anything that does not decode is [`Error::Corrupt`].
 
+use std::io::Write;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use idem_core::{Claim, Error, Fingerprint, Key, Lease, Record, Result, State, Timestamp};
-use redis::Value;
+use redis::{RedisWrite, ToRedisArgs, Value};
 
 use crate::error::{bad_reply, from_redis};
 use crate::v1;
 
-/// The front of the record `lease` holds: state `P`, its token and its owner. The fencing
+/// The front of the record a lease holds: state `P`, its token and its owner. The fencing
 /// functions compare it with the record's first bytes; the owner's length makes a match
-/// exact.
-pub(crate) fn fence(lease: &Lease) -> Vec<u8> {
-    let mut out = Vec::with_capacity(lease.owner.len() + 24);
-    front(&mut out, lease.token, &lease.owner);
-    out
+/// exact. As a command argument it is written straight into the command.
+pub(crate) struct Fence<'a>(pub &'a Lease);
+
+impl ToRedisArgs for Fence<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        front(&mut out.writer_for_next_arg(), self.0.token, &self.0.owner);
+    }
 }
 
 /// The record a claim of a key with none writes: token 1, attempts 1, and `retention_ms`
-/// as the time the record outlives the lease (its expiry is set with it).
-pub(crate) fn fresh(claim: &Claim, retention_ms: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(claim.owner.len() + 64);
-    front(&mut out, 1, &claim.owner);
-    match &claim.fingerprint {
-        Some(f) => {
-            out.push(b'#');
-            out.extend_from_slice(&f.0);
-        }
-        None => out.push(b'-'),
-    }
-    out.extend_from_slice(b"1:");
-    out.extend_from_slice(itoa::Buffer::new().format(retention_ms).as_bytes());
-    out.push(b';');
-    out
+/// as the time the record outlives the lease (its expiry is set with it). As a command
+/// argument it is written straight into the command.
+pub(crate) struct Fresh<'a> {
+    pub claim: &'a Claim,
+    pub retention_ms: u64,
 }
 
-/// Appends a processing record's front, `P<token>:<#owner>:<owner>`. Built by hand, not
-/// with `format!`: it runs for every claim and every settle.
-fn front(out: &mut Vec<u8>, token: u64, owner: &str) {
-    out.push(b'P');
-    out.extend_from_slice(itoa::Buffer::new().format(token).as_bytes());
-    out.push(b':');
-    out.extend_from_slice(itoa::Buffer::new().format(owner.len()).as_bytes());
-    out.push(b':');
-    out.extend_from_slice(owner.as_bytes());
+impl ToRedisArgs for Fresh<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let mut out = out.writer_for_next_arg();
+        front(&mut out, 1, &self.claim.owner);
+        let _ = match &self.claim.fingerprint {
+            Some(f) => out.write_all(b"#").and_then(|()| out.write_all(&f.0)),
+            None => out.write_all(b"-"),
+        };
+        let mut retention = itoa::Buffer::new();
+        let _ = [
+            &b"1:"[..],
+            retention.format(self.retention_ms).as_bytes(),
+            b";",
+        ]
+        .iter()
+        .try_for_each(|part| out.write_all(part));
+    }
+}
+
+/// Writes a processing record's front, `P<token>:<#owner>:<owner>`, by hand rather than
+/// with `format!`: it runs for every claim and every settle. Writing into a command's
+/// buffer cannot fail.
+fn front(out: &mut impl Write, token: u64, owner: &str) {
+    let (mut token_text, mut len_text) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let parts: [&[u8]; 6] = [
+        b"P",
+        token_text.format(token).as_bytes(),
+        b":",
+        len_text.format(owner.len()).as_bytes(),
+        b":",
+        owner.as_bytes(),
+    ];
+    let _ = parts.iter().try_for_each(|part| out.write_all(part));
 }
 
 /// The record `GET` returned for `key`, given the key's `PEXPIRETIME` read with it; `None`
@@ -190,7 +207,12 @@ mod tests {
             max_attempts: 3,
             retention: std::time::Duration::from_secs(1),
         };
-        let raw = fresh(&claim, 500);
+        let raw = Fresh {
+            claim: &claim,
+            retention_ms: 500,
+        }
+        .to_redis_args()
+        .concat();
         assert!(raw.starts_with(b"P1:3:w:1#"));
         let rec = decode_record(&key(), string(&raw), 10_999)
             .unwrap()
@@ -205,7 +227,7 @@ mod tests {
 
     #[test]
     fn the_fencing_prefix_is_the_front_of_a_held_record() {
-        assert_eq!(fence(&lease()), b"P12:3:w:1");
+        assert_eq!(Fence(&lease()).to_redis_args(), [b"P12:3:w:1"]);
         let rec = decode_record(&key(), string(b"C12:3:w:1-2:0;\x00ok"), 99)
             .unwrap()
             .unwrap();

@@ -12,7 +12,7 @@ use crate::RedisBackend;
 use crate::backend::millis;
 use crate::error::bad_reply;
 use crate::library::Function;
-use crate::record::fence;
+use crate::record::Fence;
 
 /// How long a lease must have left, by this client's clock, for its complete to keep the
 /// record's expiry (action `k` of `lua/settle.lua`): the clocks of client and server may
@@ -99,7 +99,7 @@ impl RedisBackend {
         let now = Timestamp::now();
         for &i in group {
             let item = &items[i];
-            cmd.arg(fence(&item.lease));
+            cmd.arg(Fence(&item.lease));
             match &item.settle {
                 Settle::Complete(response) => {
                     let live = item.lease.lease_until.since(now) > KEEP_MARGIN;
