@@ -812,11 +812,12 @@ fn kafka(c: &mut Criterion) {
 /// `dedup_memory`, `idem_memory`, `dedup_redis`, `idem_redis`, `dedup_postgres` or
 /// `idem_postgres` (and `IDEM_KAFKA_PROFILE_N` messages, default all), for a profiler or
 /// to see where a store loop's time goes. Under `valgrind --tool=callgrind
-/// --collect-atstart=no`, with `IDEM_CALLGRIND=1`, collection runs from the first message
-/// to the `n`-th only ([`support::window`]), so the counts divided by `n` are the cost per
-/// message; it also prints the CPU time of the process's threads in that window, per
-/// message. An idem loop on a store also prints, per store operation, its calls, items per
-/// call and time per call ([`Tally`]).
+/// --instr-atstart=no`, with `IDEM_CALLGRIND=1`, collection runs from the first message
+/// to the `n`-th only ([`support::window`]; the counts are in the dump, the output file
+/// with `.1` appended), so the counts divided by `n` are the cost per message; it also
+/// prints the CPU time of the process's threads in that window, per message. An idem loop
+/// on a store also prints, per store operation, its calls, items per call and time per
+/// call ([`Tally`]).
 fn profile(which: &str) {
     let n = std::env::var("IDEM_KAFKA_PROFILE_N")
         .ok()
