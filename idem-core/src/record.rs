@@ -208,6 +208,18 @@ pub enum Settle {
     Release,
 }
 
+impl Settle {
+    /// The bytes of the text it stores: the response or the error (none for a release). A
+    /// store sizes its request with it.
+    pub fn text_len(&self) -> usize {
+        match self {
+            Settle::Complete(response) => response.len(),
+            Settle::Fail { error, .. } => error.len(),
+            Settle::Release => 0,
+        }
+    }
+}
+
 /// One item of [`Backend::settle_many`](crate::Backend::settle_many): a lease and what
 /// becomes of it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -90,13 +90,10 @@ impl<'a> Round<'a> {
     }
 }
 
-/// The completes at `round` of `items` as `complete_many.sql`'s arrays, $1 to $5; `None`
-/// if an item of the round is not a complete (the round takes `settle_many.sql`).
-fn completes<'a>(
-    query: PgQuery<'a>,
-    round: &[usize],
-    items: &'a [Settlement],
-) -> Option<PgQuery<'a>> {
+/// The completes at `round` of `items` as `complete_many.sql`'s arrays $1 to $4 and its
+/// responses, $5; `None` if an item of the round is not a complete (the round takes
+/// `settle_many.sql`).
+fn completes<'a>(round: &[usize], items: &'a [Settlement]) -> Option<(Fences<'a>, Vec<&'a [u8]>)> {
     let mut fences = Fences::with_capacity(round.len());
     let mut responses = Vec::with_capacity(round.len());
     for &i in round {
@@ -106,18 +103,13 @@ fn completes<'a>(
         fences.push(&items[i].lease);
         responses.push(response.as_ref());
     }
-    Some(fences.bind(query).bind(responses))
+    Some((fences, responses))
 }
 
 /// The bytes of an item's text parameters: key, owner, response or error.
 fn text_len(item: &Settlement) -> usize {
     let lease = &item.lease;
-    let text = match &item.settle {
-        Settle::Complete(response) => response.len(),
-        Settle::Fail { error, .. } => error.len(),
-        Settle::Release => 0,
-    };
-    lease.key.namespace().len() + lease.key.id().len() + lease.owner.len() + text
+    lease.key.namespace().len() + lease.key.id().len() + lease.owner.len() + item.settle.text_len()
 }
 
 /// The 0-based positions a statement returned as 1-based `n`.
@@ -159,9 +151,11 @@ impl PgBackend {
             let (round, rest) = distinct_round(&pending, |i| &items[i].lease.key);
             let bytes =
                 round.iter().map(|&i| text_len(&items[i])).sum::<usize>() + 64 * round.len();
-            let query = sized(self.sql.complete_many.sql(), 6, bytes);
-            let query = match completes(query, &round, items) {
-                Some(query) => query.bind(retention),
+            let query = match completes(&round, items) {
+                Some((fences, responses)) => fences
+                    .bind(sized(self.sql.complete_many.sql(), 6, bytes))
+                    .bind(responses)
+                    .bind(retention),
                 None => {
                     let mut p = Round::default();
                     for &i in &round {

@@ -24,7 +24,7 @@ impl RedisBackend {
     pub(crate) async fn claim_one(&self, claim: &Claim) -> Result<ClaimOutcome> {
         let keys = [self.record_key(&claim.key)];
         let claims = std::slice::from_ref(claim);
-        if millis(claim.lease_ttl) + millis(claim.retention) >= 2 {
+        if set_nx_can(claim) {
             if let Some(Some(answer)) = self.set_nx(&keys, claims, &[0]).await?.pop() {
                 return Ok(answer);
             }
@@ -47,7 +47,7 @@ impl RedisBackend {
         // A key met twice in the batch goes to the function, which answers its items in order.
         let fast = (0..claims.len()).filter(|&i| {
             let c = &claims[i];
-            count[keys[i].as_str()] == 1 && millis(c.lease_ttl) + millis(c.retention) >= 2
+            count[keys[i].as_str()] == 1 && set_nx_can(c)
         });
         let groups = self.by_slot(&keys, fast);
         let calls = groups.iter().map(|g| self.set_nx(&keys, claims, g));
@@ -197,6 +197,12 @@ impl RedisBackend {
             .map(|(&i, answer)| decode_outcome(&claims[i], answer))
             .collect()
     }
+}
+
+/// Whether `SET NX` can claim for `c`: its record must live at least 2 ms (`PX` takes at
+/// least 1, and the record expires 1 ms after it).
+fn set_nx_can(c: &Claim) -> bool {
+    millis(c.lease_ttl) + millis(c.retention) >= 2
 }
 
 /// The lease `SET NX` granted: token 1, ending where the record's expiry (`expire`, its

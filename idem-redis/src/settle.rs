@@ -77,14 +77,7 @@ impl RedisBackend {
     ) -> Result<Vec<bool>> {
         let bytes = group
             .iter()
-            .map(|&i| {
-                let text = match &items[i].settle {
-                    Settle::Complete(response) => response.len(),
-                    Settle::Fail { error, .. } => error.len(),
-                    Settle::Release => 0,
-                };
-                keys[i].len() + items[i].lease.owner.len() + text + 32
-            })
+            .map(|&i| keys[i].len() + items[i].lease.owner.len() + items[i].settle.text_len() + 32)
             .sum::<usize>()
             + self.shared.channel.len()
             + 24;
