@@ -141,7 +141,7 @@ impl DeadLetters {
         let offset = m.offset().to_string();
         let attempts = letter.attempts.to_string();
         let key = m.key().map(|k| (k.to_string(), k.namespace()));
-        let mut headers = m.raw_headers().cloned().unwrap_or_else(OwnedHeaders::new);
+        let mut headers = m.headers_to_forward();
         let mut add = |name: &str, value: &str| {
             let h = std::mem::replace(&mut headers, OwnedHeaders::new());
             headers = h.insert(Header {

@@ -192,8 +192,12 @@ impl WorkerHandle {
             return false;
         }
         self.last_routed = m.offset();
-        let (ticket, held_some) = self.state.hold(crate::message::size(m));
-        let message = Message::from_borrowed(Arc::clone(&self.state.topic), m, ticket);
+        let mut held_some = false;
+        let message = Message::from_borrowed(Arc::clone(&self.state.topic), m, |weight| {
+            let (ticket, some) = self.state.hold(weight);
+            held_some = some;
+            ticket
+        });
         // Counted before it is sent, so the worker never takes out more than was put in.
         let n = self.state.backlog.fetch_add(1, Ordering::Relaxed) + 1;
         if self.tx.send(message).is_err() {

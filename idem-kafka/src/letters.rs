@@ -1,14 +1,13 @@
 //! Reading a dead-letter topic back: which letters it holds and what their headers say.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idem_core::Key;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::message::{BorrowedMessage, Headers, Message as _};
+use rdkafka::message::{BorrowedMessage, Message as _};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
@@ -129,11 +128,8 @@ impl DeadLetter {
 
     /// Reads a consumed letter. Never fails: what cannot be read is noted in `problems`.
     fn read(m: &BorrowedMessage<'_>) -> Self {
-        let mut problems = Vec::new();
-        let headers = read_headers(m).unwrap_or_else(|why| {
-            problems.push(why);
-            Vec::new()
-        });
+        let (headers, problem) = read_headers(m);
+        let problems = Vec::from_iter(problem);
         let mut letter = DeadLetter {
             topic: m.topic().to_owned(),
             partition: m.partition(),
@@ -173,18 +169,19 @@ impl DeadLetter {
     }
 }
 
-/// The headers of `m`. rdkafka panics on a header name that is not UTF-8; that panic is
-/// caught here and the letter keeps no headers, with the reason.
-fn read_headers(m: &BorrowedMessage<'_>) -> Result<Vec<(String, Option<Bytes>)>, String> {
+/// The headers of `m` that can be read, and a note of those that cannot (rdkafka panics on
+/// a header name that is not UTF-8; see [`each_header`](crate::message::each_header)).
+fn read_headers(m: &BorrowedMessage<'_>) -> (Vec<(String, Option<Bytes>)>, Option<String>) {
+    let mut headers = Vec::new();
     let Some(h) = m.headers() else {
-        return Ok(Vec::new());
+        return (headers, None);
     };
-    std::panic::catch_unwind(AssertUnwindSafe(|| {
-        h.iter()
-            .map(|h| (h.key.to_owned(), h.value.map(Bytes::copy_from_slice)))
-            .collect()
-    }))
-    .map_err(|_| "a header name is not UTF-8: headers unreadable".to_owned())
+    let unreadable = crate::message::each_header(h, |name, value| {
+        headers.push((name.to_owned(), value.map(Bytes::copy_from_slice)));
+    });
+    let problem =
+        (unreadable > 0).then(|| format!("{unreadable} header name(s) not UTF-8: left unread"));
+    (headers, problem)
 }
 
 /// The last header `name` as text, or `None` (noting why when it is there but unreadable).

@@ -7,12 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::wire::{RawRecord, produce_raw};
 use common::{
     Effects, Out, Recorder, builder, committed, engine, mock, mock_topic, produce, start, unique,
     wait_committed,
 };
 use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
-use idem_kafka::{KeySource, Point};
+use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::{KeySource, Point, Selection, read_letters};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -138,6 +140,36 @@ fn with_header(id: Option<&[u8]>) -> Out {
     }
 }
 
+/// Runs a consumer on the memory store whose handler applies each message's key id, until
+/// `n` messages settled; returns the effects and the group.
+async fn run_each_key_once(brokers: &str, topic: &str, n: usize) -> (Arc<Effects>, String) {
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let group = unique("g");
+    let fx = effects.clone();
+    let running = start(
+        builder(brokers, topic, &group)
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .commit_interval(Duration::from_millis(100))
+            .handler(move |msg, _| {
+                let fx = fx.clone();
+                async move {
+                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    fx.apply(&id);
+                    Ok(Bytes::from(id))
+                }
+            }),
+        &recorder,
+    );
+    recorder.wait_settled(n, WAIT).await;
+    running.stop().await;
+    (effects, group)
+}
+
 /// Header keys that are missing, empty, not UTF-8 or over the length limit are dead
 /// letters with their reason, around good keys that run once; nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -156,30 +188,7 @@ async fn bad_header_keys_end_in_the_dead_letter_topic_with_their_reason() {
         with_header(Some(b"b")),
     ];
     produce(&brokers, &topic, &msgs).await;
-    let effects = Effects::new();
-    let recorder = Recorder::new();
-    let group = unique("g");
-    let fx = effects.clone();
-    let running = start(
-        builder(&brokers, &topic, &group)
-            .engine(engine(
-                Arc::new(MemoryBackend::new()),
-                "w1",
-                Duration::from_secs(5),
-            ))
-            .commit_interval(Duration::from_millis(100))
-            .handler(move |msg, _| {
-                let fx = fx.clone();
-                async move {
-                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
-                    fx.apply(&id);
-                    Ok(Bytes::from(id))
-                }
-            }),
-        &recorder,
-    );
-    recorder.wait_settled(msgs.len(), WAIT).await;
-    running.stop().await;
+    let (effects, group) = run_each_key_once(&brokers, &topic, msgs.len()).await;
 
     assert_eq!(
         (effects.runs("a"), effects.runs("b"), effects.total()),
@@ -221,6 +230,65 @@ async fn bad_header_keys_end_in_the_dead_letter_topic_with_their_reason() {
         letters[3]
     );
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![6]);
+}
+
+/// A header whose name is not UTF-8 (rdkafka panics where it reads one, and no client will
+/// write one, so it goes out on the wire by hand) stops nothing: the message's other headers
+/// still give its key, a message left without a key is a dead letter that keeps every
+/// header it came with, and the loop commits past all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_header_name_that_is_not_utf8_never_stops_the_loop() {
+    let topic = unique("badname");
+    let dlq = format!("{topic}.dlq");
+    let cluster = mock(1, &[(&topic, 1), (&dlq, 1)]);
+    let brokers = cluster.bootstrap_servers();
+    let bad: &[u8] = &[0xff, 0xfe, b'h'];
+    let key: &[u8] = b"idempotency-key";
+    let records = [
+        RawRecord {
+            key: None,
+            value: b"p0",
+            headers: &[(bad, b"v0"), (key, b"a")],
+        },
+        RawRecord {
+            key: None,
+            value: b"p1",
+            headers: &[(bad, b"v1"), (b"trace", b"t1")],
+        },
+        RawRecord {
+            key: None,
+            value: b"p2",
+            headers: &[(key, b"b"), (bad, b"v2")],
+        },
+    ];
+    assert_eq!(produce_raw(&brokers, &topic, 0, &records), Ok(0));
+    let (effects, group) = run_each_key_once(&brokers, &topic, records.len()).await;
+
+    assert_eq!(
+        (effects.runs("a"), effects.runs("b"), effects.total()),
+        (1, 1, 2)
+    );
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![3]);
+    let mut reader = ClientConfig::new();
+    reader.set("bootstrap.servers", &brokers);
+    let letters =
+        read_letters(&reader, &dlq, &Selection::default(), WAIT).expect("read the dead letters");
+    assert_eq!(letters.len(), 1, "{letters:#?}");
+    let letter = &letters[0];
+    assert_eq!(
+        (letter.original_offset, letter.reason.as_deref()),
+        (Some(1), Some("missing-key"))
+    );
+    assert_eq!(letter.payload, Bytes::from_static(b"p1"));
+    let trace = letter.headers.iter().find(|(k, _)| k == "trace");
+    assert_eq!(
+        trace,
+        Some(&("trace".to_owned(), Some(Bytes::from_static(b"t1"))))
+    );
+    assert!(
+        letter.problems.iter().any(|p| p.contains("not UTF-8")),
+        "the letter lost the header it could not read: {letter:#?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

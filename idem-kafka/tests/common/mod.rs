@@ -1,6 +1,8 @@
 //! Helpers shared by the loop tests (MockCluster) and the crash test (tansu).
 #![allow(dead_code)]
 
+pub mod wire;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
