@@ -518,7 +518,8 @@ impl Engine {
             }
         }
         let signal = CancellationToken::new();
-        let work = AssertUnwindSafe(handler(Context::new(lease.clone(), signal.clone())));
+        let ctx = Context::new(lease.clone(), signal.clone());
+        let work = AssertUnwindSafe(crate::panic_at_poll(|| handler(ctx)));
         let work = work.catch_unwind();
         tokio::pin!(work);
         // A handler that finishes at its first poll needs no heartbeat timer.

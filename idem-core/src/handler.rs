@@ -1,7 +1,14 @@
 //! What a handler receives and what it may return.
 
+use std::any::Any;
 use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::task::{self, Poll};
 
+use futures::future::Either;
 use tokio_util::sync::CancellationToken;
 
 use crate::{ClaimKind, FailureKind, Lease};
@@ -54,6 +61,50 @@ impl Context {
     }
 }
 
+/// The future `start` returns, where a panic in `start` itself (before any future exists)
+/// is raised again at the future's first poll, so that the `catch_unwind` guarding the
+/// future sees it too. A handler written `|m, _| { let p = parse(&m).unwrap(); async move
+/// {..} }` panics in that first part, outside its future.
+pub fn panic_at_poll<Fut: Future, S: FnOnce() -> Fut>(
+    start: S,
+) -> Either<Fut, Unwind<Fut::Output>> {
+    match std::panic::catch_unwind(AssertUnwindSafe(start)) {
+        Ok(fut) => Either::Left(fut),
+        Err(panic) => Either::Right(Unwind(Some(panic), PhantomData)),
+    }
+}
+
+/// A future that resumes a caught panic when polled (see [`panic_at_poll`]).
+pub struct Unwind<T>(Option<Box<dyn Any + Send>>, PhantomData<fn() -> T>);
+
+impl<T> Future for Unwind<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, _: &mut task::Context<'_>) -> Poll<T> {
+        match self.0.take() {
+            Some(panic) => std::panic::resume_unwind(panic),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl<T> fmt::Debug for Unwind<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Unwind")
+    }
+}
+
+/// The text a panic carried (its `&str` or `String` payload), or a placeholder.
+pub fn panic_text(payload: &(dyn Any + Send)) -> &str {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s
+    } else {
+        "non-text panic payload"
+    }
+}
+
 /// A handler's failure: retryable (the default for any `?`-converted error) or permanent.
 pub struct HandlerError {
     message: String,
@@ -78,15 +129,8 @@ impl HandlerError {
     }
 
     /// A retryable failure for a handler that panicked with `payload`.
-    pub fn panicked(payload: &(dyn std::any::Any + Send)) -> Self {
-        let text = if let Some(s) = payload.downcast_ref::<&str>() {
-            (*s).to_owned()
-        } else if let Some(s) = payload.downcast_ref::<String>() {
-            s.clone()
-        } else {
-            "non-text panic payload".to_owned()
-        };
-        HandlerError::retry(format!("handler panicked: {text}"))
+    pub fn panicked(payload: &(dyn Any + Send)) -> Self {
+        HandlerError::retry(format!("handler panicked: {}", panic_text(payload)))
     }
 
     /// The error text stored in the record.

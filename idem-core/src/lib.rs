@@ -20,7 +20,7 @@ pub mod watch;
 pub use backend::{Backend, Capabilities, ListFilter, group_by};
 pub use engine::{Engine, EngineBuilder, Outcome, Ran, WaitPolicy};
 pub use error::{BoxError, Error, Result};
-pub use handler::{Context, HandlerError};
+pub use handler::{Context, HandlerError, Unwind, panic_at_poll, panic_text};
 pub use key::{Fingerprint, Key, MAX_ID_BYTES, MAX_NAMESPACE_BYTES};
 pub use memory::MemoryBackend;
 pub use model::Model;

@@ -1,10 +1,12 @@
 //! The consumer: the poll thread, routing to partition workers, rebalance and commits.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use rdkafka::ClientConfig;
 use rdkafka::config::RDKafkaLogLevel;
@@ -88,6 +90,7 @@ impl IdemConsumer {
             dead: CancellationToken::new(),
             gate: Mutex::new(()),
             stopping: AtomicBool::new(false),
+            failure: OnceLock::new(),
             settings,
         });
         let consumer: BaseConsumer<LoopContext> = shared
@@ -167,6 +170,8 @@ pub(crate) struct Shared {
     /// Held while committing and while crashing, so no commit starts after a crash.
     gate: Mutex<()>,
     stopping: AtomicBool,
+    /// Why the loop stops on its own: a partition's worker panicked.
+    failure: OnceLock<String>,
 }
 
 impl Shared {
@@ -241,8 +246,24 @@ impl Shared {
     fn spawn_worker(self: &Arc<Self>, tp: Tp) -> WorkerHandle {
         let (handle, ends) = PartitionState::create(tp.0, tp.1, Arc::clone(&self.budget));
         let worker = Worker::new(Arc::clone(self), Arc::clone(&handle.state), ends);
-        let task = self.runtime.spawn(worker.run());
+        let shared = Arc::clone(self);
+        let (topic, partition) = (Arc::clone(&handle.state.topic), handle.state.partition);
+        let task = self.runtime.spawn(async move {
+            if let Err(panic) = AssertUnwindSafe(worker.run()).catch_unwind().await {
+                let why = idem_core::panic_text(&*panic);
+                shared.fail(format!("the worker of {topic}/{partition} panicked: {why}"));
+            }
+        });
         handle.with_task(task)
+    }
+
+    /// Stops the loop with `why` as its error (the first reason given wins). The stop is
+    /// the same as a shutdown's: handlers in flight get `revoke_timeout`, and what was
+    /// settled is committed.
+    fn fail(&self, why: String) {
+        tracing::error!(error = %why, "stopping the consumer");
+        let _ = self.failure.set(why);
+        self.stopping.store(true, Ordering::SeqCst);
     }
 
     /// Creates workers for newly assigned partitions and makes sure they are not paused.
@@ -435,7 +456,10 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
         if shared.stopping.load(Ordering::SeqCst) {
             let all = shared.all_partitions();
             shared.revoke(&consumer, &all);
-            break Ok(());
+            break match shared.failure.get() {
+                Some(why) => Err(Error::Worker(why.clone())),
+                None => Ok(()),
+            };
         }
         match consumer.poll(POLL) {
             None => routed = 0,

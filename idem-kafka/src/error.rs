@@ -29,6 +29,11 @@ pub enum Error {
     /// The poll thread could not be started or ended without reporting.
     #[error("consumer thread: {0}")]
     Thread(String),
+    /// A partition's worker panicked (a bug in idem, or in a [`Probe`](crate::Probe)): the
+    /// loop stops as at a shutdown, committing what was settled, rather than leave that
+    /// partition stalled without a word.
+    #[error("{0}")]
+    Worker(String),
 }
 
 impl Error {

@@ -1,6 +1,7 @@
 //! Where a message's idempotency key comes from.
 
 use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use idem_core::Key;
@@ -72,9 +73,13 @@ impl KeySource {
             KeySource::Header(name) => found(message.header(name)),
             KeySource::MessageKey => found(message.message_key().map(|k| &k[..])),
             KeySource::JsonPointer(pointer) => from_json(namespace, pointer, message.payload()),
-            KeySource::Custom(f) => match f(message) {
-                Err(reason) => Extracted::Malformed(reason),
-                Ok(id) => found(id.as_deref().map(str::as_bytes)),
+            KeySource::Custom(f) => match catch_unwind(AssertUnwindSafe(|| f(message))) {
+                Err(panic) => Extracted::Malformed(format!(
+                    "the key function panicked: {}",
+                    idem_core::panic_text(&*panic)
+                )),
+                Ok(Err(reason)) => Extracted::Malformed(reason),
+                Ok(Ok(id)) => found(id.as_deref().map(str::as_bytes)),
             },
         }
     }

@@ -136,7 +136,7 @@ where
     if hook(crate::Point::AfterClaim, offset) {
         return std::future::pending().boxed();
     }
-    let run = handler(msg, tx, lease);
+    let run = idem_core::panic_at_poll(|| handler(msg, tx, lease));
     async move {
         let result = run.await;
         if hook(crate::Point::AfterEffect, offset) {

@@ -14,7 +14,7 @@ use common::{
 };
 use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
 use idem_kafka::rdkafka::ClientConfig;
-use idem_kafka::{KeySource, Point, Selection, read_letters};
+use idem_kafka::{KeySource, Point, Probe, Selection, Verdict, read_letters};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -376,6 +376,140 @@ async fn bad_messages_end_in_the_dead_letter_topic_with_headers() {
     assert!(letters[3].headers["idem-error"].contains("declined"));
     assert!(letters[5].headers["idem-error"].contains("bank timeout"));
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![8]);
+}
+
+/// A handler written `|m, _| { ..unwrap()..; async move {..} }` that panics before its
+/// future exists, and a key function that panics, fail like any panic: the handler's is
+/// retried up to max_attempts then poisoned, the key function's is a malformed message;
+/// both are dead letters and the messages after them run. (Before, the partition's worker
+/// died and the partition stalled without a word.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panic_before_the_handler_future_exists_is_a_failure_not_a_stall() {
+    let topic = unique("syncpanic");
+    let dlq = format!("{topic}.dlq");
+    let (_cluster, brokers) = mock_topic(&topic, 1);
+    let msgs = [
+        Out::keyed(0, "a", "1"),
+        Out::keyed(0, "boom", "2"),
+        Out::keyed(0, "k", "key-panics"),
+        Out::keyed(0, "b", "4"),
+    ];
+    produce(&brokers, &topic, &msgs).await;
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let group = unique("g");
+    let booms = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (fx, tries) = (effects.clone(), booms.clone());
+    let running = start(
+        builder(&brokers, &topic, &group)
+            .key_source(KeySource::custom(|m| {
+                assert_ne!(&m.payload()[..], b"key-panics", "key function bug");
+                Ok(m.header("idempotency-key")
+                    .map(|id| String::from_utf8_lossy(id).into_owned()))
+            }))
+            .engine(engine(
+                Arc::new(MemoryBackend::new()),
+                "w1",
+                Duration::from_secs(5),
+            ))
+            .handler(move |msg, _| {
+                let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                if id == "boom" {
+                    tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    panic!("sync boom");
+                }
+                fx.apply(&id);
+                async move { Ok(Bytes::from(id)) }
+            }),
+        &recorder,
+    );
+    recorder.wait_settled(msgs.len(), WAIT).await;
+    running.stop().await;
+
+    assert_eq!(
+        (effects.runs("a"), effects.runs("b"), effects.total()),
+        (1, 1, 2)
+    );
+    assert_eq!(booms.load(std::sync::atomic::Ordering::SeqCst), 3);
+    let letters = common::read_all(&brokers, &dlq, 1, 2, WAIT);
+    let got: Vec<(&str, &str)> = letters
+        .iter()
+        .map(|l| {
+            (
+                &l.headers["idem-original-offset"][..],
+                &l.headers["idem-reason"][..],
+            )
+        })
+        .collect();
+    assert_eq!(got, [("1", "poisoned"), ("2", "malformed-payload")]);
+    assert!(
+        letters[0].headers["idem-error"].contains("sync boom"),
+        "{letters:?}"
+    );
+    assert!(
+        letters[1].headers["idem-error"].contains("key function panicked: assertion"),
+        "{letters:?}"
+    );
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![4]);
+}
+
+/// A partition's worker that panics (here through a probe with a bug) stops the consumer
+/// with `Error::Worker`, naming the partition, instead of leaving that partition stalled
+/// while `run()` goes on; the next consumer of the group finishes the work, each effect
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_that_panics_stops_the_consumer_with_its_reason() {
+    struct Buggy;
+    impl Probe for Buggy {
+        fn reached(&self, point: Point, _: &str, _: i32, offset: i64) -> Verdict {
+            assert!(
+                !(point == Point::AfterSettle && offset == 1),
+                "probe bug at offset 1"
+            );
+            Verdict::Continue
+        }
+    }
+    let topic = unique("workerpanic");
+    let (_cluster, brokers) = mock_topic(&topic, 1);
+    let msgs = [
+        Out::keyed(0, "a", "1"),
+        Out::keyed(0, "b", "2"),
+        Out::keyed(0, "c", "3"),
+    ];
+    produce(&brokers, &topic, &msgs).await;
+    let backend = Arc::new(MemoryBackend::new());
+    let effects = Effects::new();
+    let group = unique("g");
+    let buggy = builder(&brokers, &topic, &group)
+        .engine(engine(backend.clone(), "w1", Duration::from_secs(5)))
+        .handler(effects.by_key())
+        .probe(Arc::new(Buggy))
+        .build()
+        .expect("consumer");
+    let ended = tokio::time::timeout(WAIT, buggy.run())
+        .await
+        .expect("the consumer stopped by itself");
+    match ended {
+        Err(idem_kafka::Error::Worker(why)) => assert!(
+            why.contains(&format!("{topic}/0 panicked: probe bug at offset 1")),
+            "{why}"
+        ),
+        other => panic!("expected Error::Worker, got {other:?}"),
+    }
+
+    let recorder = Recorder::new();
+    let running = start(
+        builder(&brokers, &topic, &group)
+            .engine(engine(backend, "w2", Duration::from_secs(5)))
+            .handler(effects.by_key()),
+        &recorder,
+    );
+    wait_committed(&brokers, &group, &topic, &[3], WAIT).await;
+    running.stop().await;
+    assert_eq!(
+        (effects.runs("a"), effects.runs("b"), effects.runs("c")),
+        (1, 1, 1)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
