@@ -146,7 +146,7 @@ pub async fn release(args: &ReleaseArgs) -> Result<()> {
         Ok(()) => {
             println!(
                 "released {key}: now failed and retryable; the next claim runs attempt {} if the consumer allows that many",
-                record.attempts + 1
+                record.attempts.saturating_add(1)
             );
             Ok(())
         }

@@ -78,7 +78,14 @@ pub fn lapsed(r: &Record, now: Timestamp) -> Option<bool> {
 
 /// A point in time, and how far it is from `now`.
 pub fn when(t: Timestamp, now: Timestamp) -> String {
-    let at = humantime::format_rfc3339_millis(t.to_system_time());
+    // RFC 3339 ends at the year 9999 (humantime's formatter fails past it, and `format!`
+    // would panic): a later time, from a record edited by hand, is shown in milliseconds.
+    const YEAR_10000_MS: u64 = 253_402_300_800_000;
+    let at = if t.as_millis() < YEAR_10000_MS {
+        humantime::format_rfc3339_millis(t.to_system_time()).to_string()
+    } else {
+        format!("{} ms after the epoch", t.as_millis())
+    };
     let round = |d: Duration| humantime::format_duration(Duration::from_secs(d.as_secs()));
     if t > now {
         format!("{at} (in {})", round(t.since(now)))
@@ -190,6 +197,17 @@ mod tests {
             permanent: false,
             expires_at: Some(Timestamp::from_millis(until + 1000)),
         }
+    }
+
+    #[test]
+    fn a_time_past_the_year_9999_is_shown_in_milliseconds() {
+        let now = Timestamp::from_millis(10_000);
+        let far = Timestamp::from_millis(253_402_300_800_000);
+        assert!(when(far, now).starts_with("253402300800000 ms after the epoch (in "));
+        let last = Timestamp::from_millis(253_402_300_799_999);
+        assert!(when(last, now).starts_with("9999-12-31T23:59:59.999Z"));
+        let max = Timestamp::from_millis(u64::MAX);
+        assert!(when(max, now).contains("ms after the epoch"));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use idem_core::{Context, Engine, HandlerError, Key};
 use rdkafka::ClientConfig;
+use tokio::sync::Semaphore;
 
 use crate::{Error, IdemConsumer, KeySource, Message, Probe, Result};
 
@@ -66,6 +67,23 @@ impl DeadLetterTopic {
 
 /// Consumer-only librdkafka properties left out of the dead-letter producer's
 /// configuration (which otherwise copies the consumer's).
+/// The most messages [`ConsumerBuilder::batch_size`] takes.
+pub const MAX_BATCH_SIZE: usize = 1 << 16;
+
+/// The longest topic name Kafka accepts.
+const MAX_TOPIC_BYTES: usize = 249;
+
+/// A topic name the client can pass on: 1 to 249 bytes, no NUL (librdkafka takes names as
+/// C strings and rejects longer ones, where rdkafka panics).
+pub(crate) fn check_topic(topic: &str) -> Result<()> {
+    if topic.is_empty() || topic.len() > MAX_TOPIC_BYTES || topic.contains('\0') {
+        return Err(Error::Config(format!(
+            "topic {topic:?}: a topic name is 1 to {MAX_TOPIC_BYTES} bytes without NUL"
+        )));
+    }
+    Ok(())
+}
+
 const CONSUMER_ONLY: &[&str] = &[
     "group.id",
     "group.instance.id",
@@ -296,7 +314,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The most messages of one partition claimed in one round trip (default 500).
+    /// The most messages of one partition claimed in one round trip (default 500; at most
+    /// [`MAX_BATCH_SIZE`]).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
         self
@@ -426,26 +445,36 @@ impl ConsumerBuilder {
         if config.get("fetch.queue.backoff.ms").is_none() {
             config.set("fetch.queue.backoff.ms", "10");
         }
-        if self.topics.is_empty() || self.topics.iter().any(String::is_empty) {
-            return Err(Error::Config(
-                "at least one non-empty topic is required".into(),
-            ));
+        if self.topics.is_empty() {
+            return Err(Error::Config("at least one topic is required".into()));
+        }
+        for topic in &self.topics {
+            check_topic(topic)?;
+            if let DeadLetterTopic::Suffix = &self.dead_letter {
+                check_topic(&self.dead_letter.for_topic(topic))?;
+            }
         }
         let namespace = self.namespace.take().unwrap_or_else(|| group.clone());
         Key::new(namespace.clone(), "-")
             .map_err(|e| Error::Config(format!("namespace {namespace:?}: {e}")))?;
         self.key_source.check().map_err(Error::Config)?;
         let (engine, mode) = self.mode()?;
-        if self.batch_size == 0 {
-            return Err(Error::Config("batch_size must be at least 1".into()));
+        if !(1..=MAX_BATCH_SIZE).contains(&self.batch_size) {
+            return Err(Error::Config(format!(
+                "batch_size must be 1 to {MAX_BATCH_SIZE}"
+            )));
         }
-        if self.in_flight == 0 {
-            return Err(Error::Config("in_flight must be at least 1".into()));
+        let permits = Semaphore::MAX_PERMITS;
+        if !(1..=permits).contains(&self.in_flight) {
+            return Err(Error::Config(format!("in_flight must be 1 to {permits}")));
         }
-        if self.partition_concurrency == Some(0) {
-            return Err(Error::Config(
-                "partition_concurrency must be at least 1".into(),
-            ));
+        if self
+            .partition_concurrency
+            .is_some_and(|n| !(1..=permits).contains(&n))
+        {
+            return Err(Error::Config(format!(
+                "partition_concurrency must be 1 to {permits}"
+            )));
         }
         let (first, max) = self.backoff;
         if first.is_zero() || max < first {
@@ -462,9 +491,10 @@ impl ConsumerBuilder {
             return Err(Error::Config("commit_interval must be above zero".into()));
         }
         if let DeadLetterTopic::Fixed(t) = &self.dead_letter {
-            if t.is_empty() || self.topics.contains(t) {
+            check_topic(t)?;
+            if self.topics.contains(t) {
                 return Err(Error::Config(format!(
-                    "dead-letter topic {t:?} must be non-empty and not a source topic"
+                    "dead-letter topic {t:?} must not be a source topic"
                 )));
             }
         }
@@ -677,6 +707,21 @@ mod tests {
         assert!(config_error(builder().max_buffered_bytes(0)).contains("max_buffered_bytes"));
         assert!(config_error(builder().partition_concurrency(0)).contains("partition_concurrency"));
         assert!(config_error(builder().in_flight(0)).contains("in_flight"));
+        // Bounds past which tokio's semaphore or the batch's allocation would panic.
+        let huge = builder().batch_size(MAX_BATCH_SIZE + 1);
+        assert!(config_error(huge).contains("batch_size must be 1 to 65536"));
+        assert!(builder().batch_size(MAX_BATCH_SIZE).build().is_ok());
+        assert!(config_error(builder().in_flight(usize::MAX)).contains("in_flight"));
+        let all = builder().partition_concurrency(usize::MAX);
+        assert!(config_error(all).contains("partition_concurrency"));
+        // Topic names librdkafka refuses (rdkafka panics on them).
+        assert!(config_error(builder().topics(["a\0b"])).contains("without NUL"));
+        let long = "t".repeat(250);
+        assert!(config_error(builder().topics([long.as_str()])).contains("249 bytes"));
+        let suffixed = "t".repeat(246);
+        assert!(config_error(builder().topics([suffixed.as_str()])).contains(".dlq"));
+        let fixed = builder().dead_letter_topic(DeadLetterTopic::Fixed(String::new()));
+        assert!(config_error(fixed).contains("topic"));
         let backoff = builder().retry_backoff(Duration::from_secs(2), Duration::from_secs(1));
         assert!(config_error(backoff).contains("retry_backoff"));
         let same = builder().dead_letter_topic(DeadLetterTopic::Fixed("payments".into()));

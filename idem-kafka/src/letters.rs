@@ -229,13 +229,18 @@ fn number<T: std::str::FromStr>(
 ///
 /// `timeout` bounds each metadata request and the wait for any next letter; a topic that
 /// does not exist is [`Error::UnknownTopic`], a broker that does not answer is
-/// [`Error::Kafka`].
+/// [`Error::Kafka`], a name no topic can have (empty, over 249 bytes, or with NUL) is
+/// [`Error::Config`]. A timeout over `i32::MAX` milliseconds (librdkafka's bound) is cut
+/// to it.
 pub fn read_letters(
     config: &ClientConfig,
     topic: &str,
     select: &Selection,
     timeout: Duration,
 ) -> Result<Vec<DeadLetter>> {
+    crate::config::check_topic(topic)?;
+    // librdkafka takes timeouts as i32 milliseconds (about 24.8 days); longer would wrap.
+    let timeout = timeout.min(Duration::from_millis(i32::MAX as u64));
     let mut config = config.clone();
     if config.get("group.id").is_none() {
         config.set("group.id", "idem-dlq-reader");
@@ -357,6 +362,17 @@ fn starts(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_no_topic_can_have_is_refused_before_any_client_call() {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", "127.0.0.1:1");
+        let any = Selection::default();
+        for name in ["", "a\0b", &"t".repeat(513)] {
+            let err = read_letters(&config, name, &any, Duration::from_secs(1)).unwrap_err();
+            assert!(matches!(err, Error::Config(_)), "{name:?}: {err}");
+        }
+    }
 
     fn letter(key: Option<&str>, namespace: Option<&str>) -> DeadLetter {
         DeadLetter {

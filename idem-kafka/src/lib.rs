@@ -18,7 +18,7 @@ mod replay;
 mod slot;
 mod tx;
 
-pub use config::{ConsumerBuilder, DeadLetterTopic, HandlerResult, MissingKey};
+pub use config::{ConsumerBuilder, DeadLetterTopic, HandlerResult, MAX_BATCH_SIZE, MissingKey};
 pub use consumer::IdemConsumer;
 pub use dlq::{
     DEAD_LETTER_HEADERS, HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_NAMESPACE,

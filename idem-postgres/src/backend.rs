@@ -96,6 +96,10 @@ impl PgBackend {
     pub async fn connect(mut config: PgConfig) -> Result<Self> {
         // The field is public, so it may not have passed through the setter's cap.
         config.connect_timeout = idem_core::clock::capped(config.connect_timeout);
+        if config.max_connections == 0 {
+            // sqlx's pool would panic on it.
+            return Err(Error::config("max_connections must be at least 1"));
+        }
         let what = format!("connect to {}", config.redacted_url());
         let options = PgConnectOptions::from_str(&config.url)
             .map_err(|e| map(&what, e))?

@@ -16,7 +16,7 @@ pub struct PgConfig {
     /// The schema holding `idem_records` and `idem_offsets` (default `idem`). Two services
     /// sharing one database give each its own schema.
     pub schema: String,
-    /// The pool's size (default 16).
+    /// The pool's size (default 16; 0 is a configuration error).
     pub max_connections: u32,
     /// How long to wait for a connection from the pool or the server (default 5 s).
     pub connect_timeout: Duration,

@@ -117,7 +117,8 @@ pub(crate) fn positions(rows: &[PgRow], what: &str) -> Result<Vec<usize>> {
     rows.iter()
         .map(|row| {
             let n: i64 = row.try_get("n").map_err(|e| map(what, e))?;
-            usize::try_from(n - 1).map_err(|_| Error::corrupt(format!("{what} returned row {n}")))
+            (n.checked_sub(1).and_then(|i| usize::try_from(i).ok()))
+                .ok_or_else(|| Error::corrupt(format!("{what} returned row {n}")))
         })
         .collect()
 }

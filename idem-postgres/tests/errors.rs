@@ -54,6 +54,15 @@ async fn an_unmigrated_schema_is_a_config_error_naming_migrate() {
 }
 
 #[tokio::test]
+async fn a_pool_of_no_connections_is_a_config_error() {
+    let config = PgConfig::new(common::url()).with_max_connections(0);
+    match PgBackend::connect(config).await {
+        Err(Error::Config { message, .. }) => assert!(message.contains("max_connections")),
+        other => panic!("expected Config, got {other:?}"),
+    }
+}
+
+#[tokio::test]
 async fn a_bad_schema_name_is_refused() {
     let config = PgConfig::new(common::url()).with_schema("idem; drop table x");
     let res = PgBackend::connect(config).await;

@@ -56,7 +56,7 @@ where
             let mut hist = histogram()?;
             let (mut keys, mut calls) = (0u64, 0u64);
             let start = Instant::now();
-            let deadline = start + duration;
+            let deadline = start + idem_core::clock::capped(duration);
             loop {
                 if stop.load(Ordering::Relaxed) {
                     break;
