@@ -7,6 +7,7 @@ use rdkafka::consumer::ConsumerContext;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, ClientContext};
 
 use crate::{DeadLetterTopic, Error, Message, Result};
@@ -28,6 +29,11 @@ pub const HEADER_REASON: &str = "idem-reason";
 pub const HEADER_ERROR: &str = "idem-error";
 /// Header with the attempts the handler got, in decimal (0 when it never ran).
 pub const HEADER_ATTEMPTS: &str = "idem-attempts";
+/// Header of a letter that carries only idem's headers: the whole letter was over the
+/// dead-letter producer's size limit (`message.max.bytes`), so the original payload, key
+/// and headers were left out. Its value says what was dropped, and where the original
+/// stays while its topic retains it. Such a letter cannot be replayed.
+pub const HEADER_DROPPED: &str = "idem-dropped";
 /// Header a replayed message carries: the dead letter it came from,
 /// `<dead-letter topic>/<partition>/<offset>`.
 pub const HEADER_REPLAY_OF: &str = "idem-replay-of";
@@ -42,6 +48,7 @@ pub const DEAD_LETTER_HEADERS: &[&str] = &[
     HEADER_REASON,
     HEADER_ERROR,
     HEADER_ATTEMPTS,
+    HEADER_DROPPED,
     HEADER_REPLAY_OF,
 ];
 
@@ -133,15 +140,43 @@ impl DeadLetters {
         Ok(DeadLetters { producer, topic })
     }
 
-    /// Writes the letter and waits for the broker's acknowledgement.
+    /// Writes the letter and waits for the broker's acknowledgement. A letter over the
+    /// producer's size limit is written again without the original payload, key and
+    /// headers (see [`HEADER_DROPPED`]): a retry of the whole could never succeed, and the
+    /// partition would stall for good.
     pub async fn send(&self, letter: &Letter<'_>) -> Result<(), KafkaError> {
+        match self.send_as(letter, None).await {
+            Err(e) if too_large(&e) => {
+                let m = letter.message;
+                let dropped = format!(
+                    "payload ({} bytes), message key ({} bytes) and headers: the letter was \
+                     over the dead-letter producer's size limit ({e}); the original stays at \
+                     {}/{}/{} while its topic retains it",
+                    m.payload().len(),
+                    m.message_key().map_or(0, |k| k.len()),
+                    m.topic(),
+                    m.partition(),
+                    m.offset(),
+                );
+                tracing::warn!(%dropped, "dead letter written without the original");
+                self.send_as(letter, Some(&dropped)).await
+            }
+            sent => sent,
+        }
+    }
+
+    /// Writes the letter whole, or, with `dropped`, only idem's headers and that note.
+    async fn send_as(&self, letter: &Letter<'_>, dropped: Option<&str>) -> Result<(), KafkaError> {
         let m = letter.message;
         let topic = self.topic.for_topic(m.topic());
         let partition = m.partition().to_string();
         let offset = m.offset().to_string();
         let attempts = letter.attempts.to_string();
         let key = m.key().map(|k| (k.to_string(), k.namespace()));
-        let mut headers = m.headers_to_forward();
+        let mut headers = match dropped {
+            None => m.headers_to_forward(),
+            Some(_) => OwnedHeaders::new(),
+        };
         let mut add = |name: &str, value: &str| {
             let h = std::mem::replace(&mut headers, OwnedHeaders::new());
             headers = h.insert(Header {
@@ -159,11 +194,15 @@ impl DeadLetters {
         add(HEADER_REASON, letter.reason.as_str());
         add(HEADER_ERROR, letter.error);
         add(HEADER_ATTEMPTS, &attempts);
-        let mut record = FutureRecord::to(&topic)
-            .payload(m.payload().as_ref())
-            .headers(headers);
-        if let Some(k) = m.message_key() {
-            record = record.key(k.as_ref());
+        if let Some(dropped) = dropped {
+            add(HEADER_DROPPED, dropped);
+        }
+        let mut record = FutureRecord::<[u8], [u8]>::to(&topic).headers(headers);
+        if dropped.is_none() {
+            record = record.payload(m.payload().as_ref());
+            if let Some(k) = m.message_key() {
+                record = record.key(k.as_ref());
+            }
         }
         self.producer
             .send(record, Duration::from_secs(5))
@@ -171,4 +210,12 @@ impl DeadLetters {
             .map(|_| ())
             .map_err(|(e, _)| e)
     }
+}
+
+/// Whether `e` says the message is over a size limit (the producer's, or the broker's).
+fn too_large(e: &KafkaError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(RDKafkaErrorCode::MessageSizeTooLarge | RDKafkaErrorCode::MessageBatchTooLarge)
+    )
 }

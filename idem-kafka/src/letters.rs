@@ -12,8 +12,8 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use crate::dlq::{
-    HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_NAMESPACE, HEADER_OFFSET, HEADER_PARTITION,
-    HEADER_REASON, HEADER_TOPIC, LogContext,
+    HEADER_ATTEMPTS, HEADER_DROPPED, HEADER_ERROR, HEADER_KEY, HEADER_NAMESPACE, HEADER_OFFSET,
+    HEADER_PARTITION, HEADER_REASON, HEADER_TOPIC, LogContext,
 };
 use crate::{Error, Result};
 
@@ -74,6 +74,9 @@ pub struct DeadLetter {
     pub error: Option<String>,
     /// [`HEADER_ATTEMPTS`].
     pub attempts: Option<u32>,
+    /// [`HEADER_DROPPED`]: set when the letter was written without the original payload,
+    /// key and headers (it was over the producer's size limit); it cannot be replayed.
+    pub dropped: Option<String>,
     /// What could not be read, one line each.
     pub problems: Vec<String>,
 }
@@ -87,6 +90,9 @@ impl DeadLetter {
     /// Where a replay sends the letter (the original topic and partition), or why it
     /// cannot be replayed.
     pub fn destination(&self) -> Result<(&str, i32), String> {
+        if let Some(dropped) = &self.dropped {
+            return Err(format!("the letter holds no original: {dropped}"));
+        }
         match (&self.original_topic, self.original_partition) {
             (Some(t), Some(p)) if !t.is_empty() && p >= 0 => Ok((t, p)),
             (None, _) => Err(self.missing(HEADER_TOPIC)),
@@ -146,6 +152,7 @@ impl DeadLetter {
             reason: None,
             error: None,
             attempts: None,
+            dropped: None,
             problems,
         };
         let mut text = |name: &str| letter_text(&letter.headers, name, &mut letter.problems);
@@ -157,6 +164,7 @@ impl DeadLetter {
         let reason = text(HEADER_REASON);
         let error = text(HEADER_ERROR);
         let attempts = text(HEADER_ATTEMPTS);
+        let dropped = text(HEADER_DROPPED);
         letter.original_partition = number(HEADER_PARTITION, partition, &mut letter.problems);
         letter.original_offset = number(HEADER_OFFSET, offset, &mut letter.problems);
         letter.attempts = number(HEADER_ATTEMPTS, attempts, &mut letter.problems);
@@ -165,6 +173,7 @@ impl DeadLetter {
         letter.namespace = namespace;
         letter.reason = reason;
         letter.error = error;
+        letter.dropped = dropped;
         letter
     }
 }
@@ -391,6 +400,7 @@ mod tests {
             reason: Some("poisoned".into()),
             error: None,
             attempts: Some(3),
+            dropped: None,
             problems: Vec::new(),
         }
     }
@@ -412,6 +422,13 @@ mod tests {
 
     #[test]
     fn a_letter_without_its_origin_cannot_be_sent_back() {
+        let mut dropped = letter(None, None);
+        dropped.dropped = Some("payload (9 bytes)".into());
+        let why = dropped.destination().unwrap_err();
+        assert!(
+            why.contains("holds no original: payload (9 bytes)"),
+            "{why}"
+        );
         let mut l = letter(None, None);
         assert_eq!(l.destination(), Ok(("t", 1)));
         l.original_partition = None;

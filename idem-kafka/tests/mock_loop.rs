@@ -9,8 +9,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::wire::{RawRecord, produce_raw};
 use common::{
-    Effects, Out, Recorder, builder, committed, engine, mock, mock_topic, produce, start, unique,
-    wait_committed,
+    Effects, Out, Recorder, builder, committed, engine, memory_engine, mock, mock_topic, produce,
+    start, unique, wait_committed,
 };
 use idem_core::{Backend, Engine, HandlerError, Key, MemoryBackend, State};
 use idem_kafka::rdkafka::ClientConfig;
@@ -140,6 +140,16 @@ fn with_header(id: Option<&[u8]>) -> Out {
     }
 }
 
+/// The one letter of `dlq`, read through `read_letters`.
+fn the_one_letter(brokers: &str, dlq: &str) -> idem_kafka::DeadLetter {
+    let mut reader = ClientConfig::new();
+    reader.set("bootstrap.servers", brokers);
+    let mut letters =
+        read_letters(&reader, dlq, &Selection::default(), WAIT).expect("read the dead letters");
+    assert_eq!(letters.len(), 1, "{letters:#?}");
+    letters.remove(0)
+}
+
 /// Runs a consumer on the memory store whose handler applies each message's key id, until
 /// `n` messages settled; returns the effects and the group.
 async fn run_each_key_once(brokers: &str, topic: &str, n: usize) -> (Arc<Effects>, String) {
@@ -149,11 +159,7 @@ async fn run_each_key_once(brokers: &str, topic: &str, n: usize) -> (Arc<Effects
     let fx = effects.clone();
     let running = start(
         builder(brokers, topic, &group)
-            .engine(engine(
-                Arc::new(MemoryBackend::new()),
-                "w1",
-                Duration::from_secs(5),
-            ))
+            .engine(memory_engine())
             .commit_interval(Duration::from_millis(100))
             .handler(move |msg, _| {
                 let fx = fx.clone();
@@ -269,12 +275,8 @@ async fn a_header_name_that_is_not_utf8_never_stops_the_loop() {
         (1, 1, 2)
     );
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![3]);
-    let mut reader = ClientConfig::new();
-    reader.set("bootstrap.servers", &brokers);
-    let letters =
-        read_letters(&reader, &dlq, &Selection::default(), WAIT).expect("read the dead letters");
-    assert_eq!(letters.len(), 1, "{letters:#?}");
-    let letter = &letters[0];
+    let letter = the_one_letter(&brokers, &dlq);
+    let letter = &letter;
     assert_eq!(
         (letter.original_offset, letter.reason.as_deref()),
         (Some(1), Some("missing-key"))
@@ -407,11 +409,7 @@ async fn a_panic_before_the_handler_future_exists_is_a_failure_not_a_stall() {
                 Ok(m.header("idempotency-key")
                     .map(|id| String::from_utf8_lossy(id).into_owned()))
             }))
-            .engine(engine(
-                Arc::new(MemoryBackend::new()),
-                "w1",
-                Duration::from_secs(5),
-            ))
+            .engine(memory_engine())
             .handler(move |msg, _| {
                 let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
                 if id == "boom" {
@@ -510,6 +508,64 @@ async fn a_worker_that_panics_stops_the_consumer_with_its_reason() {
         (effects.runs("a"), effects.runs("b"), effects.runs("c")),
         (1, 1, 1)
     );
+}
+
+/// A dead letter over the dead-letter producer's size limit is written without the
+/// original payload, key and headers, saying so, instead of stalling the partition on a
+/// write that can never succeed; such a letter cannot be replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_over_the_size_limit_is_written_without_the_original() {
+    let topic = unique("bigletter");
+    let dlq = format!("{topic}.dlq");
+    let (_cluster, brokers) = mock_topic(&topic, 1);
+    let big = "x".repeat(3000);
+    let msgs = [Out::keyed(0, "big", &big), Out::keyed(0, "a", "1")];
+    produce(&brokers, &topic, &msgs).await;
+    let mut small = ClientConfig::new();
+    small
+        .set("bootstrap.servers", &brokers)
+        .set("message.max.bytes", "1000");
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let group = unique("g");
+    let fx = effects.clone();
+    let running = start(
+        builder(&brokers, &topic, &group)
+            .engine(memory_engine())
+            .dead_letter_config(small)
+            .handler(move |msg, _| {
+                let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                fx.apply(&id);
+                async move {
+                    match id.as_str() {
+                        "big" => Err(HandlerError::permanent("too big to handle")),
+                        _ => Ok(Bytes::from(id)),
+                    }
+                }
+            }),
+        &recorder,
+    );
+    recorder.wait_settled(msgs.len(), WAIT).await;
+    running.stop().await;
+
+    assert_eq!((effects.runs("big"), effects.runs("a")), (1, 1));
+    assert_eq!(committed(&brokers, &group, &topic, 1), vec![2]);
+    let letter = the_one_letter(&brokers, &dlq);
+    let letter = &letter;
+    assert_eq!(
+        (letter.original_offset, letter.reason.as_deref()),
+        (Some(0), Some("poisoned"))
+    );
+    assert_eq!(letter.error.as_deref(), Some("too big to handle"));
+    assert!(letter.payload.is_empty() && letter.message_key.is_none());
+    assert!(!letter.headers.iter().any(|(k, _)| k == "idempotency-key"));
+    let dropped = letter
+        .dropped
+        .as_deref()
+        .expect("the letter says what it dropped");
+    assert!(dropped.starts_with("payload (3000 bytes)"), "{dropped}");
+    assert!(dropped.contains(&format!("{topic}/0/0")), "{dropped}");
+    assert!(letter.destination().is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -715,11 +771,7 @@ async fn failed_commits_are_retried() {
     let recorder = Recorder::new();
     let running = start(
         builder(&brokers, &topic, &group)
-            .engine(engine(
-                Arc::new(MemoryBackend::new()),
-                "w1",
-                Duration::from_secs(5),
-            ))
+            .engine(memory_engine())
             .batch_size(5)
             .commit_interval(Duration::from_millis(50))
             .handler(|msg, _| async move {
@@ -749,11 +801,7 @@ async fn a_failed_commit_of_the_last_offsets_is_retried() {
     let recorder = Recorder::new();
     let running = start(
         builder(&brokers, &topic, &group)
-            .engine(engine(
-                Arc::new(MemoryBackend::new()),
-                "w1",
-                Duration::from_secs(5),
-            ))
+            .engine(memory_engine())
             .commit_interval(Duration::from_millis(300))
             .handler(|msg, _| async move { Ok(Bytes::from(msg.offset().to_string())) }),
         &recorder,
@@ -807,11 +855,7 @@ async fn dead_letter_broker_down_stalls_the_partition_until_acknowledged() {
         .set("message.timeout.ms", "1000");
     let running = start(
         builder(&brokers, &topic, &group)
-            .engine(engine(
-                Arc::new(MemoryBackend::new()),
-                "w1",
-                Duration::from_secs(5),
-            ))
+            .engine(memory_engine())
             .dead_letter_config(dlq_config)
             .retry_backoff(Duration::from_millis(10), Duration::from_millis(100))
             .commit_interval(Duration::from_millis(50))
@@ -863,11 +907,7 @@ async fn partition_concurrency_bounds_handlers_across_partitions() {
         let recorder = Recorder::new();
         let (n, m) = (now.clone(), max.clone());
         let mut consumer = builder(&brokers, &topic, &unique("g"))
-            .engine(engine(
-                Arc::new(MemoryBackend::new()),
-                "w1",
-                Duration::from_secs(5),
-            ))
+            .engine(memory_engine())
             .batch_size(1)
             .handler(move |_, _| {
                 let (n, m) = (n.clone(), m.clone());
@@ -908,11 +948,7 @@ async fn keyless_messages_can_be_processed_without_deduplication() {
     let fx = effects.clone();
     let running = start(
         builder(&brokers, &topic, &group)
-            .engine(engine(
-                Arc::new(MemoryBackend::new()),
-                "w1",
-                Duration::from_secs(5),
-            ))
+            .engine(memory_engine())
             .missing_key(idem_kafka::MissingKey::Process)
             .handler(move |msg, ctx| {
                 let fx = fx.clone();

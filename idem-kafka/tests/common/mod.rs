@@ -270,6 +270,15 @@ pub fn engine(backend: Arc<dyn Backend>, owner: &str, lease: Duration) -> Engine
         .expect("engine")
 }
 
+/// An engine over a fresh memory store, owner `w1`, a 5 s lease, 3 attempts.
+pub fn memory_engine() -> Engine {
+    engine(
+        Arc::new(idem_core::MemoryBackend::new()),
+        "w1",
+        Duration::from_secs(5),
+    )
+}
+
 /// A probe that records every settled message and can crash on demand.
 #[derive(Default)]
 pub struct Recorder {
