@@ -173,11 +173,11 @@ async fn list(args: &DlqListArgs) -> Result<()> {
         return print_json(&views);
     }
     if letters.is_empty() {
-        println!("no letters in {} match", args.letters.topic);
+        out!("no letters in {} match", args.letters.topic);
         return Ok(());
     }
-    println!("{}", letters_table(&letters));
-    println!("{} letter(s) in {}", letters.len(), args.letters.topic);
+    out!("{}", letters_table(&letters));
+    out!("{} letter(s) in {}", letters.len(), args.letters.topic);
     Ok(())
 }
 
@@ -213,7 +213,7 @@ async fn replay(args: &DlqReplayArgs) -> Result<()> {
     let letters = letters(&args.kafka, &args.letters).await?;
     let topic = &args.letters.topic;
     if letters.is_empty() {
-        println!("no letters in {topic} match: nothing to replay");
+        out!("no letters in {topic} match: nothing to replay");
         return Ok(());
     }
     let config = client_config(&args.kafka)?;
@@ -248,7 +248,7 @@ async fn replay(args: &DlqReplayArgs) -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    println!("{}", tally.summary());
+    out!("{}", tally.summary());
     let unsent = tally.failed + tally.in_progress;
     if unsent > 0 {
         return Err(Error::Refused(format!(
@@ -355,7 +355,7 @@ async fn dry_run(replayer: &Replayer, letters: &[DeadLetter], reset: bool) -> Re
             Ok(d) => d,
             Err(why) => {
                 other += 1;
-                println!("{at}: not replayable: {why}");
+                out!("{at}: not replayable: {why}");
                 continue;
             }
         };
@@ -367,14 +367,16 @@ async fn dry_run(replayer: &Replayer, letters: &[DeadLetter], reset: bool) -> Re
         match previous {
             Previous::Sent(s) => {
                 already += 1;
-                println!(
+                out!(
                     "{at}: already sent to {}/{} at offset {}",
-                    s.topic, s.partition, s.offset
+                    s.topic,
+                    s.partition,
+                    s.offset
                 );
             }
             Previous::InProgress(owner) => {
                 other += 1;
-                println!("{at}: another replay holds it ({owner})");
+                out!("{at}: another replay holds it ({owner})");
             }
             Previous::New | Previous::Failed(_) => {
                 send += 1;
@@ -383,11 +385,11 @@ async fn dry_run(replayer: &Replayer, letters: &[DeadLetter], reset: bool) -> Re
                 } else {
                     ""
                 };
-                println!("{at}: would send to {to}/{partition} (key {key}){reset}");
+                out!("{at}: would send to {to}/{partition} (key {key}){reset}");
             }
         }
     }
-    println!(
+    out!(
         "dry run: {send} letter(s) would be sent, {already} already sent, {other} not sent; nothing was sent"
     );
     Ok(())

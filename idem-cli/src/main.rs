@@ -2,6 +2,13 @@
 
 #![forbid(unsafe_code)]
 
+/// `println!` for the tool's output, through [`write_out`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::write_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod bench;
 mod cli;
 mod confirm;
@@ -59,7 +66,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Purge(a) => ops::purge(&a).await,
         Command::Migrate(a) => ops::migrate(&a).await,
         Command::Backends => {
-            println!("{}", target::listing());
+            out!("{}", target::listing());
             Ok(())
         }
         #[cfg(feature = "kafka")]
@@ -74,6 +81,21 @@ async fn run(cli: Cli) -> Result<()> {
 
 /// The error and its causes below the first (which its own text already includes), on one
 /// line.
+/// Writes the tool's output. A reader that went away (`idem list --json | head -1`) ends
+/// the process at once with success, as a writer in a shell pipeline ends, instead of a
+/// panic; any other failure to write ends it with an error.
+fn write_out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("idem: writing to standard output: {e}");
+        std::process::exit(1);
+    }
+}
+
 fn one_line(e: &error::Error) -> String {
     let mut text = e.to_string();
     let mut cause = std::error::Error::source(e).and_then(std::error::Error::source);

@@ -31,7 +31,7 @@ async fn read(store: &dyn Store, key: &Key) -> Result<Option<Record>> {
 pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(value)
         .map_err(|e| Error::Refused(format!("encode JSON: {e}")))?;
-    println!("{text}");
+    out!("{text}");
     Ok(())
 }
 
@@ -42,10 +42,10 @@ pub async fn inspect(args: &InspectArgs) -> Result<()> {
     let record = read(store.as_ref(), &key).await?;
     let now = Timestamp::now();
     match (record, args.json) {
-        (Some(r), false) => println!("{}", record_text(&r, now)),
+        (Some(r), false) => out!("{}", record_text(&r, now)),
         (Some(r), true) => print_json(&RecordView::new(&r, now))?,
-        (None, false) => println!("no record for {key} (never claimed, deleted, or expired)"),
-        (None, true) => println!("null"),
+        (None, false) => out!("no record for {key} (never claimed, deleted, or expired)"),
+        (None, true) => out!("null"),
     }
     Ok(())
 }
@@ -88,10 +88,10 @@ pub async fn list(args: &ListArgs) -> Result<()> {
         return print_json(&views);
     }
     if records.is_empty() {
-        println!("no records match");
+        out!("no records match");
     } else {
-        println!("{}", records_table(&records, now));
-        println!("{} record(s)", records.len());
+        out!("{}", records_table(&records, now));
+        out!("{} record(s)", records.len());
     }
     Ok(())
 }
@@ -122,7 +122,7 @@ pub async fn release(args: &ReleaseArgs) -> Result<()> {
             crate::show::when(record.lease_until.unwrap_or(now), now)
         )));
     }
-    println!("{}", record_text(&record, now));
+    out!("{}", record_text(&record, now));
     confirm(
         &format!(
             "release {key} (token {}, owner {})",
@@ -144,7 +144,7 @@ pub async fn release(args: &ReleaseArgs) -> Result<()> {
         .await
     {
         Ok(()) => {
-            println!(
+            out!(
                 "released {key}: now failed and retryable; the next claim runs attempt {} if the consumer allows that many",
                 record.attempts.saturating_add(1)
             );
@@ -162,10 +162,10 @@ pub async fn delete(args: &ChangeKeyArgs) -> Result<()> {
     let key = key_of(&args.key)?;
     let (_, store) = open(&args.key.backend.backend).await?;
     let Some(record) = read(store.as_ref(), &key).await? else {
-        println!("no record for {key}: nothing to delete");
+        out!("no record for {key}: nothing to delete");
         return Ok(());
     };
-    println!("{}", record_text(&record, Timestamp::now()));
+    out!("{}", record_text(&record, Timestamp::now()));
     confirm(
         &format!("delete {key} (a later delivery of its message runs the handler again)"),
         args.yes.yes,
@@ -176,9 +176,9 @@ pub async fn delete(args: &ChangeKeyArgs) -> Result<()> {
         .await
         .store(format!("delete {key}"))?;
     if existed {
-        println!("deleted {key}");
+        out!("deleted {key}");
     } else {
-        println!("{key} was already gone");
+        out!("{key} was already gone");
     }
     Ok(())
 }
@@ -197,7 +197,7 @@ pub async fn purge(args: &ChangeArgs) -> Result<()> {
     } else {
         ""
     };
-    println!("purged {n} expired record(s){native}");
+    out!("purged {n} expired record(s){native}");
     Ok(())
 }
 
@@ -205,6 +205,6 @@ pub async fn purge(args: &ChangeArgs) -> Result<()> {
 pub async fn migrate(args: &ChangeArgs) -> Result<()> {
     let (target, store) = open(&args.backend.backend).await?;
     confirm(&format!("migrate {target}"), args.yes.yes)?;
-    println!("{}", store.migrate().await.store("migrate")?);
+    out!("{}", store.migrate().await.store("migrate")?);
     Ok(())
 }

@@ -51,9 +51,9 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     let report = Report::new(args, cells);
-    println!("{}", report.table());
+    out!("{}", report.table());
     let (json, svg) = report.write(&args.out)?;
-    println!("wrote {} and {}", json.display(), svg.display());
+    out!("wrote {} and {}", json.display(), svg.display());
     Ok(())
 }
 

@@ -94,7 +94,7 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
         counters: counters.totals(),
         elapsed: started.elapsed(),
     };
-    print!("{report}");
+    crate::write_out(format_args!("{report}"));
     drop(cluster);
     match report.idem_ledger.2 {
         0 => Ok(()),
