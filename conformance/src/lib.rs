@@ -94,13 +94,15 @@ impl<B: Backend> Fixture<B> {
 }
 
 /// `backend` in every layer of `idem_core::layer`, stacked as a user would: chaos (every
-/// fault off), each try bounded by 5 s, `Unavailable` retried, every call observed. The
-/// suite over it must answer exactly as over the backend itself.
+/// fault off), single calls joined into batch calls, each try bounded by 5 s,
+/// `Unavailable` retried, every call observed. The suite over it must answer exactly as
+/// over the backend itself.
 pub fn in_every_layer<B: Backend + 'static>(backend: B) -> std::sync::Arc<dyn Backend> {
-    use idem_core::layer::{BackendExt, Chaos, Observe, RetryLayer, TimeoutLayer};
+    use idem_core::layer::{BackendExt, Chaos, CoalesceLayer, Observe, RetryLayer, TimeoutLayer};
     std::sync::Arc::new(
         backend
             .layer(Chaos::new())
+            .layer(CoalesceLayer)
             .layer(TimeoutLayer::new(Duration::from_secs(5)))
             .layer(RetryLayer::new())
             .layer(Observe::new()),

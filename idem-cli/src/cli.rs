@@ -182,6 +182,10 @@ pub struct BenchArgs {
     /// No progress bars (they also hide themselves when stderr is not a terminal).
     #[arg(long)]
     pub quiet: bool,
+    /// Also measure each backend behind `idem_core::layer::Coalesce` (single calls made
+    /// while one is in flight joined into batch calls), as a row `<kind>+coalesce`.
+    #[arg(long)]
+    pub coalesce: bool,
 }
 
 /// `idem demo`.

@@ -278,3 +278,113 @@ fn observe_counts_calls_by_operation_and_outcome() {
         ]
     );
 }
+
+/// Records each call the inner backend gets, and holds the first one until opened.
+struct Gate {
+    calls: std::sync::Mutex<Vec<(idem_core::layer::Op, usize)>>,
+    entered: tokio::sync::Notify,
+    open: tokio::sync::Semaphore,
+}
+
+#[derive(Clone)]
+struct GateRef(Arc<Gate>);
+
+impl Around for GateRef {
+    fn around<'a, T: Send + 'a>(
+        &'a self,
+        call: Call<'a>,
+        next: BoxFuture<'a, idem_core::Result<T>>,
+    ) -> BoxFuture<'a, idem_core::Result<T>> {
+        let gate = &self.0;
+        let first = {
+            let mut calls = gate.calls.lock().expect("calls");
+            calls.push((call.op, call.items));
+            calls.len() == 1
+        };
+        Box::pin(async move {
+            if first {
+                gate.entered.notify_one();
+                gate.open.acquire().await.expect("gate").forget();
+            }
+            next.await
+        })
+    }
+}
+
+/// Single claims made while one is in flight go out together as one `claim_many`, each
+/// answered as alone (a key claimed twice in the batch: the second finds it in progress),
+/// and completes go out as `settle_many`: the inner backend sees no single call.
+#[tokio::test]
+async fn coalesce_joins_single_calls_made_while_one_is_in_flight() {
+    use idem_core::layer::{Coalesce, Op};
+    let gate = Arc::new(Gate {
+        calls: std::sync::Mutex::default(),
+        entered: tokio::sync::Notify::new(),
+        open: tokio::sync::Semaphore::new(0),
+    });
+    let backend = Coalesce::new(Layered::new(
+        MemoryBackend::new(),
+        GateRef(Arc::clone(&gate)),
+    ));
+    let backend = &backend;
+
+    let k0 = claim("k0");
+    let mut first = Box::pin(backend.claim(&k0));
+    assert!(futures::poll!(&mut first).is_pending());
+    gate.entered.notified().await;
+    let mut rest: Vec<_> = (1..9)
+        .map(|i| claim(&format!("k{i}")))
+        .chain([Claim {
+            owner: "w2".into(),
+            ..claim("k1")
+        }])
+        .map(|c| Box::pin(async move { backend.claim(&c).await }))
+        .collect();
+    for f in &mut rest {
+        assert!(futures::poll!(f).is_pending());
+    }
+    gate.open.add_permits(1);
+    let first = first.await.expect("claim k0");
+    let answers = futures::future::join_all(rest).await;
+
+    let mut leases = vec![match first {
+        ClaimOutcome::Acquired(l) => l,
+        other => panic!("k0: {other:?}"),
+    }];
+    for (i, answer) in answers.into_iter().enumerate() {
+        match (i, answer.expect("claim")) {
+            (8, ClaimOutcome::InProgress { owner, .. }) => assert_eq!(&*owner, "w1"),
+            (i, ClaimOutcome::Acquired(l)) if i < 8 => leases.push(l),
+            (i, other) => panic!("claim {i}: {other:?}"),
+        }
+    }
+    let completes = leases
+        .iter()
+        .map(|l| backend.complete(l, Bytes::from_static(b"r"), HOUR));
+    for done in futures::future::join_all(completes).await {
+        done.expect("complete");
+    }
+    for lease in &leases {
+        let record = backend.get(&lease.key).await.expect("get").expect("record");
+        assert_eq!(record.state, State::Completed);
+    }
+
+    let calls = gate.calls.lock().expect("calls").clone();
+    let claims: Vec<_> = calls
+        .iter()
+        .filter(|(op, _)| *op == Op::ClaimMany)
+        .collect();
+    assert_eq!(claims, [&(Op::ClaimMany, 1), &(Op::ClaimMany, 9)]);
+    let settled: usize = calls
+        .iter()
+        .filter(|(op, _)| *op == Op::SettleMany)
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(settled, 9);
+    assert!(
+        calls
+            .iter()
+            .all(|(op, _)| matches!(op, Op::ClaimMany | Op::SettleMany | Op::Get)),
+        "{calls:?}"
+    );
+}

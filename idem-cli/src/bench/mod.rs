@@ -37,14 +37,17 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
         .map(|u| Target::parse(u))
         .collect::<Result<Vec<_>>>()?;
     let tag = format!("{}_{}", std::process::id(), fastrand::u32(..0xfffff));
-    let cells_per = args.concurrency.len() * args.batch.len();
+    let cells_per = args.concurrency.len() * args.batch.len() * (1 + usize::from(args.coalesce));
     let bar = progress(args.quiet, (targets.len() * cells_per * 3) as u64);
     let workers = args.concurrency.iter().copied().max().unwrap_or(1);
     let mut cells = Vec::new();
     for target in &targets {
         bar.set_message(format!("{}: setting up", target.kind()));
         let subject = Subject::open(target, &tag, workers).await?;
-        let run = bench_one(&subject, args, &bar, &mut cells).await;
+        let mut run = bench_one(&subject, args, &bar, &mut cells).await;
+        if run.is_ok() && args.coalesce {
+            run = bench_one(&subject.coalesced(), args, &bar, &mut cells).await;
+        }
         let closed = subject.close().await;
         run?;
         closed?;
@@ -93,7 +96,8 @@ async fn bench_one(
     bar: &ProgressBar,
     cells: &mut Vec<Cell>,
 ) -> Result<()> {
-    let ns = format!("bench-{}", std::process::id());
+    // Each pass over a store keys its own namespace, so its fresh keys are fresh.
+    let ns = format!("bench-{}-{}", std::process::id(), cells.len());
     let keys = Arc::new(Keys::new(&ns));
     let done = prepare_replay(subject, &keys).await?;
     for &c in &args.concurrency {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use idem::driver::{Options, RAW_RETENTION, RawWrite, Store};
 use idem_core::Backend;
+use idem_core::layer::Coalesce;
 
 use crate::error::{Result, StoreContext};
 use crate::target::Target;
@@ -24,8 +25,9 @@ pub struct Subject {
     pub backend: Arc<dyn Backend>,
     /// The raw baseline through the same client.
     pub raw: Arc<dyn RawWrite>,
-    /// The opened store, closed (its place removed) at the end.
-    store: Box<dyn Store>,
+    /// The opened store, closed (its place removed) at the end; `None` for a second view
+    /// of another subject's store.
+    store: Option<Box<dyn Store>>,
 }
 
 impl Subject {
@@ -42,15 +44,33 @@ impl Subject {
             shown: target.to_string(),
             backend: store.backend(),
             raw,
-            store,
+            store: Some(store),
         })
+    }
+
+    /// The same store with its single calls joined into batch calls
+    /// (`idem_core::layer::Coalesce`), shown as `<kind>+coalesce`.
+    pub fn coalesced(&self) -> Self {
+        Subject {
+            kind: match self.kind {
+                "memory" => "memory+coalesce",
+                "redis" => "redis+coalesce",
+                "postgres" => "postgres+coalesce",
+                "dynamodb" => "dynamodb+coalesce",
+                other => other,
+            },
+            shown: format!("{} (coalesced)", self.shown),
+            backend: Arc::new(Coalesce::new(Arc::clone(&self.backend))),
+            raw: Arc::clone(&self.raw),
+            store: None,
+        }
     }
 
     /// Removes the schema, keys or table the bench made.
     pub async fn close(self) -> Result<()> {
-        self.store
-            .close()
-            .await
-            .store("remove what the bench created")
+        match self.store {
+            Some(store) => store.close().await.store("remove what the bench created"),
+            None => Ok(()),
+        }
     }
 }

@@ -21,6 +21,7 @@
 //! itself, because what a retry means differs per operation (see its docs).
 
 mod chaos;
+mod coalesce;
 mod observe;
 mod retry;
 mod timeout;
@@ -28,6 +29,7 @@ mod timeout;
 use futures::future::BoxFuture;
 
 pub use chaos::{Chaos, Fault};
+pub use coalesce::{Coalesce, CoalesceLayer};
 pub use observe::Observe;
 pub use retry::{Retry, RetryLayer};
 pub use timeout::{TimeoutLayer, within};
