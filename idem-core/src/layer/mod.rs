@@ -16,9 +16,10 @@
 //! # let _ = backend;
 //! ```
 //!
-//! Every layer but [`Retry`] is a [`Layered`] backend: one forwarding implementation of
-//! [`Backend`] that hands each call to an [`Around`] hook. [`Retry`] implements the trait
-//! itself, because what a retry means differs per operation (see its docs).
+//! Every layer but [`Retry`] and [`Coalesce`] is a [`Layered`] backend: one forwarding
+//! implementation of [`Backend`] that hands each call to an [`Around`] hook. [`Retry`]
+//! implements the trait itself, because what a retry means differs per operation (see its
+//! docs), and so does [`Coalesce`], because it changes which method reaches the store.
 
 mod chaos;
 mod coalesce;
