@@ -388,3 +388,18 @@ async fn coalesce_joins_single_calls_made_while_one_is_in_flight() {
         "{calls:?}"
     );
 }
+
+/// Outside a Tokio runtime the first caller sends the batch itself.
+#[test]
+fn coalesce_works_outside_a_tokio_runtime() {
+    let backend = idem_core::layer::Coalesce::new(MemoryBackend::new());
+    futures::executor::block_on(async {
+        let lease = acquire(&backend, "outside").await;
+        backend
+            .complete(&lease, Bytes::from_static(b"r"), HOUR)
+            .await
+            .expect("complete");
+        let record = backend.get(&lease.key).await.expect("get").expect("record");
+        assert_eq!(record.state, State::Completed);
+    });
+}

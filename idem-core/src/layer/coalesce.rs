@@ -35,8 +35,8 @@ impl<B: Backend + 'static> Layer<B> for CoalesceLayer {
 /// each commit) with the others. Each answer is what the call alone would have answered,
 /// as the batch calls promise; a store error fails every call of its batch.
 ///
-/// The batch runs on a task of its own, so a caller that stops waiting (a timeout) leaves
-/// the others' answers intact. Needs a Tokio runtime.
+/// The batch runs on a Tokio task of its own, so a caller that stops waiting (a timeout)
+/// leaves the others' answers intact; outside a Tokio runtime the first caller sends it.
 pub struct Coalesce<B> {
     inner: Arc<B>,
     claims: Arc<Lane<Claim, ClaimOutcome>>,
@@ -210,8 +210,15 @@ impl<T: Send + 'static, R: Send + 'static> Lane<T, R> {
             !std::mem::replace(&mut w.busy, true)
         };
         if lead {
-            let lane = Arc::clone(self);
-            tokio::spawn(async move { lane.drain(run).await });
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    let lane = Arc::clone(self);
+                    runtime.spawn(async move { lane.drain(run).await });
+                }
+                // Outside Tokio the caller sends the batches itself; dropped half-way, it
+                // frees the lane and the calls it carried answer `Unavailable`.
+                Err(_) => self.drain(run).await,
+            }
         }
         rx.await.unwrap_or_else(|_| {
             Err(Error::unavailable(
