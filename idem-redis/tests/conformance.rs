@@ -6,11 +6,12 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{cluster_config, raw, raw_cluster, standalone_config};
-use conformance::{Factory, Fixture, Remote, service_env};
-use idem_core::{Key, Result};
+use conformance::{Factory, Fixture, Remote, in_every_layer, service_env};
+use idem_core::{Backend, Key, Result};
 use idem_redis::{RedisBackend, RedisConfig};
 
 const LEASE: Duration = Duration::from_millis(500);
@@ -129,4 +130,24 @@ mod standalone {
 mod cluster {
     conformance::suite!(super::Redis::Cluster);
     conformance::remote_suite!(super::Redis::Cluster);
+}
+
+/// The cluster in every layer of idem-core (`conformance::in_every_layer`): concurrent
+/// single calls joined into batch calls, which the cluster splits by slot.
+struct Layers;
+
+impl Factory for Layers {
+    type Backend = Arc<dyn Backend>;
+    async fn setup(&self) -> Fixture<Arc<dyn Backend>> {
+        let bare = fixture(cluster_config()).await;
+        Fixture::real(in_every_layer(bare.backend), LEASE)
+    }
+    async fn setup_with_response_limit(&self, limit: usize) -> Option<Fixture<Arc<dyn Backend>>> {
+        let bare = fixture(cluster_config().with_max_response_bytes(limit)).await;
+        Some(Fixture::real(in_every_layer(bare.backend), LEASE))
+    }
+}
+
+mod layers {
+    conformance::suite!(super::Layers);
 }
