@@ -1057,6 +1057,12 @@ impl Worker {
         self.counters.dead_lettered.increment(1);
         item.span.record("outcome", "dead-lettered");
         tracing::warn!(parent: &item.span, reason = reason.as_str(), error, "dead-lettered");
+        if self.shared.settings.in_flight > 1 {
+            // Lanes run at once: messages before this one may be unsettled still, and a
+            // crash after storing past this one would skip them. The offset is stored at
+            // the low-water mark instead (see `process_concurrent`).
+            return Flow::Go;
+        }
         self.store_offset_past(item).await
     }
 

@@ -323,3 +323,55 @@ async fn a_failing_or_panicking_handler_rolls_back_only_its_own_writes_in_a_batc
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![31]);
     common::drop_schema(&pg).await;
 }
+
+/// With handlers in flight at once, a message dead-lettered while one before it is still
+/// unsettled (here: waiting to retry) does not move the stored offset past it: the offset
+/// waits for the low-water mark, or a crash then would skip the unsettled message (the
+/// crash test on tansu lost four payments this way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_does_not_store_the_offset_past_an_unsettled_message() {
+    let (pg, _ledger) = common::postgres().await;
+    let topic = unique("txlane");
+    let dlq = format!("{topic}.dlq");
+    let cluster = mock(1, &[(&topic, 1), (&dlq, 1)]);
+    let brokers = cluster.bootstrap_servers();
+    produce(
+        &brokers,
+        &topic,
+        &[Out::keyed(0, "slow", "x"), Out::keyed(0, "poison", "x")],
+    )
+    .await;
+    let group = unique("g");
+    let recorder = Recorder::new();
+    let consumer = builder(&brokers, &topic, &group)
+        .in_flight(2)
+        // The first attempt of "slow" fails; its retry waits this long.
+        .retry_backoff(Duration::from_secs(8), Duration::from_secs(8))
+        .transactional(pg.clone(), move |msg, _tx, lease| {
+            async move {
+                match msg.key().map(Key::id) {
+                    Some("slow") if lease.attempts == 1 => Err(HandlerError::retry("not yet")),
+                    Some("slow") => Ok(Bytes::from_static(b"done")),
+                    _ => Err(HandlerError::permanent("bad payment")),
+                }
+            }
+            .boxed()
+        });
+    let running = start(consumer, &recorder);
+    recorder.wait_settled(1, WAIT).await;
+    assert_eq!(
+        recorder.settled_on(0).into_iter().collect::<Vec<_>>(),
+        [1],
+        "the dead letter settled while the first message waits to retry"
+    );
+    let stored = pg.stored_offsets(&group).await.expect("stored offsets");
+    assert!(
+        stored.iter().all(|s| s.next_offset <= 0),
+        "stored past the unsettled message: {stored:?}"
+    );
+    recorder.wait_settled(2, WAIT).await;
+    running.stop().await;
+    let stored = pg.stored_offsets(&group).await.expect("stored offsets");
+    assert_eq!(stored[0].next_offset, 2);
+    common::drop_schema(&pg).await;
+}
