@@ -22,6 +22,7 @@ mod show;
 mod target;
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Parser;
 
@@ -41,6 +42,7 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(run(cli)) {
+        Ok(()) if STDOUT_FAILED.load(Ordering::Relaxed) => ExitCode::FAILURE,
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("idem: {}", one_line(&e));
@@ -79,23 +81,32 @@ async fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// The error and its causes below the first (which its own text already includes), on one
-/// line.
-/// Writes the tool's output. A reader that went away (`idem list --json | head -1`) ends
-/// the process at once with success, as a writer in a shell pipeline ends, instead of a
-/// panic; any other failure to write ends it with an error.
+/// Set once standard output could not be written: nothing more is written to it.
+static STDOUT_GONE: AtomicBool = AtomicBool::new(false);
+/// Set when that was an error other than a reader that went away.
+static STDOUT_FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Writes the tool's output. A reader that went away (`idem list --json | head -1`) stops
+/// the output, not the command: it runs to its end, and its own result decides the exit
+/// status, as a writer in a shell pipeline that ignores `SIGPIPE` does. Any other failure
+/// to write is reported once and makes the exit status a failure.
 fn write_out(args: std::fmt::Arguments<'_>) {
     use std::io::Write;
+    if STDOUT_GONE.load(Ordering::Relaxed) {
+        return;
+    }
     let mut stdout = std::io::stdout().lock();
     if let Err(e) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(0);
+        STDOUT_GONE.store(true, Ordering::Relaxed);
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("idem: writing to standard output: {e}");
+            STDOUT_FAILED.store(true, Ordering::Relaxed);
         }
-        eprintln!("idem: writing to standard output: {e}");
-        std::process::exit(1);
     }
 }
 
+/// The error and its causes below the first (which its own text already includes), on one
+/// line.
 fn one_line(e: &error::Error) -> String {
     let mut text = e.to_string();
     let mut cause = std::error::Error::source(e).and_then(std::error::Error::source);

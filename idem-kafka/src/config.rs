@@ -65,8 +65,6 @@ impl DeadLetterTopic {
     }
 }
 
-/// Consumer-only librdkafka properties left out of the dead-letter producer's
-/// configuration (which otherwise copies the consumer's).
 /// The most messages [`ConsumerBuilder::batch_size`] takes.
 pub const MAX_BATCH_SIZE: usize = 1 << 16;
 
@@ -84,6 +82,8 @@ pub(crate) fn check_topic(topic: &str) -> Result<()> {
     Ok(())
 }
 
+/// Consumer-only librdkafka properties left out of the dead-letter producer's
+/// configuration (which otherwise copies the consumer's).
 const CONSUMER_ONLY: &[&str] = &[
     "group.id",
     "group.instance.id",

@@ -149,11 +149,12 @@ impl DeadLetters {
             Err(e) if too_large(&e) => {
                 let m = letter.message;
                 let dropped = format!(
-                    "payload ({} bytes), message key ({} bytes) and headers: the letter was \
-                     over the dead-letter producer's size limit ({e}); the original stays at \
-                     {}/{}/{} while its topic retains it",
+                    "payload ({} bytes), message key ({} bytes), headers and all but {} \
+                     bytes of the error: the letter was over the dead-letter producer's size \
+                     limit ({e}); the original stays at {}/{}/{} while its topic retains it",
                     m.payload().len(),
                     m.message_key().map_or(0, |k| k.len()),
+                    MAX_LEAN_ERROR,
                     m.topic(),
                     m.partition(),
                     m.offset(),
@@ -192,7 +193,14 @@ impl DeadLetters {
             add(HEADER_NAMESPACE, namespace);
         }
         add(HEADER_REASON, letter.reason.as_str());
-        add(HEADER_ERROR, letter.error);
+        add(
+            HEADER_ERROR,
+            match dropped {
+                None => letter.error,
+                // The error text may hold the payload too: the lean letter keeps its start.
+                Some(_) => cut(letter.error, MAX_LEAN_ERROR),
+            },
+        );
         add(HEADER_ATTEMPTS, &attempts);
         if let Some(dropped) = dropped {
             add(HEADER_DROPPED, dropped);
@@ -210,6 +218,18 @@ impl DeadLetters {
             .map(|_| ())
             .map_err(|(e, _)| e)
     }
+}
+
+/// The most bytes of the error text a letter without the original keeps.
+const MAX_LEAN_ERROR: usize = 256;
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+fn cut(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// Whether `e` says the message is over a size limit (the producer's, or the broker's).

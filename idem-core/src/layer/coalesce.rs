@@ -36,7 +36,9 @@ impl<B: Backend + 'static> Layer<B> for CoalesceLayer {
 /// as the batch calls promise; a store error fails every call of its batch.
 ///
 /// The batch runs on a Tokio task of its own, so a caller that stops waiting (a timeout)
-/// leaves the others' answers intact; outside a Tokio runtime the first caller sends it.
+/// leaves the others' answers intact; outside a Tokio runtime each call goes out alone.
+/// It is not [`Transactional`](crate::Transactional): a transaction joins its claims in
+/// one statement already, so a transactional store is passed as it is.
 pub struct Coalesce<B> {
     inner: Arc<B>,
     claims: Arc<Lane<Claim, ClaimOutcome>>,
@@ -88,8 +90,15 @@ async fn settle_runs<B: Backend + ?Sized>(
             .count();
         let batch: Vec<Settlement> = rest[..run].iter().map(|(s, _)| s.clone()).collect();
         let retention = retention.unwrap_or(Duration::ZERO);
-        out.extend(inner.settle_many(&batch, retention).await?);
+        match checked(inner.settle_many(&batch, retention).await, run) {
+            Ok(answers) => out.extend(answers),
+            // The runs before answered already; this run and the rest fail with the error.
+            Err(e) => out.extend(rest.iter().map(|_| Err(again(&e)))),
+        }
         rest = &rest[run..];
+        if out.len() == items.len() {
+            break;
+        }
     }
     Ok(out)
 }
@@ -197,12 +206,17 @@ impl<T: Send + 'static, R: Send + 'static> Lane<T, R> {
     }
 
     /// Queues `item` and waits for its answer; the first call while none is in flight
-    /// starts the task that sends batches (`run`) until the queue is empty.
+    /// starts the task that sends batches (`run`) until the queue is empty. Outside a
+    /// Tokio runtime there is no task to start, and the call goes out alone.
     async fn call<F, Fut>(self: &Arc<Self>, item: T, run: F) -> Result<R>
     where
         F: Fn(Vec<T>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Vec<Result<R>>>> + Send,
     {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            let answer = checked(run(vec![item]).await, 1)?.pop();
+            return answer.unwrap_or_else(|| Err(Error::corrupt("a batch call answered nothing")));
+        };
         let (tx, rx) = oneshot::channel();
         let lead = {
             let mut w = self.lock();
@@ -210,15 +224,13 @@ impl<T: Send + 'static, R: Send + 'static> Lane<T, R> {
             !std::mem::replace(&mut w.busy, true)
         };
         if lead {
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => {
-                    let lane = Arc::clone(self);
-                    runtime.spawn(async move { lane.drain(run).await });
-                }
-                // Outside Tokio the caller sends the batches itself; dropped half-way, it
-                // frees the lane and the calls it carried answer `Unavailable`.
-                Err(_) => self.drain(run).await,
-            }
+            // Made before the task, so that a task dropped unpolled (a runtime shutting
+            // down) still frees the lane.
+            let idle = Idle {
+                lane: Arc::clone(self),
+                done: false,
+            };
+            runtime.spawn(async move { idle.drain(run).await });
         }
         rx.await.unwrap_or_else(|_| {
             Err(Error::unavailable(
@@ -227,30 +239,35 @@ impl<T: Send + 'static, R: Send + 'static> Lane<T, R> {
             ))
         })
     }
+}
 
-    async fn drain<F, Fut>(&self, run: F)
+/// The lane a drain task owns. Dropped before the queue was found empty (a panic in the
+/// store, a runtime shutting down), it frees the lane and drops what was queued, whose
+/// callers then answer `Unavailable`, so that nobody waits for a task that is gone.
+struct Idle<T, R> {
+    lane: Arc<Lane<T, R>>,
+    done: bool,
+}
+
+impl<T: Send + 'static, R: Send + 'static> Idle<T, R> {
+    async fn drain<F, Fut>(mut self, run: F)
     where
         F: Fn(Vec<T>) -> Fut,
         Fut: Future<Output = Result<Vec<Result<R>>>>,
     {
-        // If `run` panics, the lane is freed for the next caller (the batch's callers get
-        // `Unavailable` from their dropped senders).
-        let mut idle = Idle {
-            lane: self,
-            done: false,
-        };
         loop {
             let batch = {
-                let mut w = self.lock();
+                let mut w = self.lane.lock();
                 if w.queue.is_empty() {
                     w.busy = false;
-                    idle.done = true;
+                    self.done = true;
                     return;
                 }
                 std::mem::take(&mut w.queue)
             };
             let (items, senders): (Vec<T>, Vec<_>) = batch.into_iter().unzip();
-            match run(items).await {
+            let n = items.len();
+            match checked(run(items).await, n) {
                 Ok(answers) => {
                     for (tx, answer) in senders.into_iter().zip(answers) {
                         let _ = tx.send(answer);
@@ -266,21 +283,29 @@ impl<T: Send + 'static, R: Send + 'static> Lane<T, R> {
     }
 }
 
-/// Frees its lane when dropped before the lane was found empty.
-struct Idle<'a, T, R> {
-    lane: &'a Lane<T, R>,
-    done: bool,
+impl<T, R> Drop for Idle<T, R> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let queued = {
+            let mut w = self.lane.state.lock().unwrap_or_else(|e| e.into_inner());
+            w.busy = false;
+            std::mem::take(&mut w.queue)
+        };
+        drop(queued);
+    }
 }
 
-impl<T, R> Drop for Idle<'_, T, R> {
-    fn drop(&mut self) {
-        if !self.done {
-            self.lane
-                .state
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .busy = false;
-        }
+/// A batch call's answers, if there is one per item; a wrong count is `Corrupt`.
+fn checked<R>(answers: Result<Vec<Result<R>>>, items: usize) -> Result<Vec<Result<R>>> {
+    match answers {
+        Ok(a) if a.len() == items => Ok(a),
+        Ok(a) => Err(Error::corrupt(format!(
+            "a batch call of {items} answered {}",
+            a.len()
+        ))),
+        Err(e) => Err(e),
     }
 }
 
