@@ -238,9 +238,7 @@ impl ConsumerBuilder {
         F: Fn(Message, Option<Context>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = HandlerResult> + Send + 'static,
     {
-        self.handler = Some(Arc::new(move |m, c| {
-            idem_core::panic_at_poll(|| handler(m, c)).boxed()
-        }));
+        self.handler = Some(Arc::new(move |m, c| handler(m, c).boxed()));
         self
     }
 

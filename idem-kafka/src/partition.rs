@@ -1000,7 +1000,12 @@ impl Worker {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let slot = Slot::new(handler(item.msg.clone(), None));
+            // Not under the engine, whose `run_leased` catches a panic in the call itself:
+            // caught here, it fails the attempt like a panic in the future.
+            let msg = item.msg.clone();
+            let slot = Slot::new(futures::FutureExt::boxed(idem_core::panic_at_poll(|| {
+                handler(msg, None)
+            })));
             let offset = item.msg.offset();
             let run = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
                 slot.poll_with(|| self.probe(Point::AfterEffect, offset)),
