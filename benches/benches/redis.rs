@@ -14,7 +14,10 @@
 //! claims; `raw_set_nx_px_then_set_conns` is the raw cycle on such connections;
 //! `design_watch_multi_128` is the same for a batch, against `claim_settle_many_128`.
 //! Before it
-//! runs, a takeover between the `GET` and the `EXEC` is checked to fail the `EXEC`. The
+//! runs, a takeover between the `GET` and the `EXEC` is checked to fail the `EXEC`.
+//! `design_ifeq` (and `design_ifeq_lean`, without `PEXPIRETIME` and `PUBLISH`) measures a
+//! complete by compare-and-set, `SET … IFEQ`, on servers that have it (Valkey 8.1, Redis
+//! 8.4; `support/redis_ifeq.rs`). The
 //! single-key cases also print the server's time per message summed over the top-level
 //! calls, and a summary of them against the raw cycle at the end.
 //!
@@ -32,6 +35,9 @@ use criterion::{Criterion, Throughput, criterion_group};
 use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Settlement};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::{ConnectionManager, MultiplexedConnection};
+
+#[path = "support/redis_ifeq.rs"]
+mod ifeq;
 
 /// Tasks issuing requests at once, for the backend and the raw baselines alike.
 const CONCURRENCY: u64 = 16;
@@ -393,7 +399,7 @@ fn redis_benches(c: &mut Criterion) {
         stats,
         &raw,
         String::from("claim_complete"),
-        nested = [("set", 1.0), ("get", 1.0), ("publish", 1.0)],
+        nested = [("set", 1.0), ("mget", 1.0), ("publish", 1.0)],
         |b| {
             b.to_async(&rt).iter_custom(|iters| {
                 let (backend, ids, response) =
@@ -502,6 +508,39 @@ fn redis_benches(c: &mut Criterion) {
     let retries = watch_multi::RETRIES.load(Ordering::Relaxed);
     if retries > 0 {
         println!("  design_watch_multi: {retries} EXEC retries (a nil EXEC, record unchanged)");
+    }
+
+    // The compare-and-set design (issue 18), on servers that have `SET … IFEQ`: the
+    // backend's fresh claim and a complete by `SET … IFEQ … KEEPTTL`, all on the shared
+    // connection as the raw cycle runs; `_lean` also drops the claim's `PEXPIRETIME` and
+    // the complete's `PUBLISH`, two commands as the raw cycle sends.
+    if rt.block_on(ifeq::supported(&mut raw.clone())) {
+        rt.block_on(ifeq::fences(
+            &mut raw.clone(),
+            &watch_multi::key(&ids, ids.take(1)),
+        ));
+        for (name, full) in [("design_ifeq", true), ("design_ifeq_lean", false)] {
+            measured!(g, stats, &raw, String::from(name), nested = [], |b| {
+                b.to_async(&rt).iter_custom(|iters| {
+                    let (raw, ids, response) = (raw.clone(), Arc::clone(&ids), response.clone());
+                    let base = ids.take(iters);
+                    spread(iters, 1, move |i| {
+                        let (mut raw, key, response) = (
+                            raw.clone(),
+                            watch_multi::key(&ids, base + i),
+                            response.clone(),
+                        );
+                        async move {
+                            let held = watch_multi::claim_record(&mut raw, &key, full).await;
+                            let done = ifeq::complete(&mut raw, &key, &held, &response, full).await;
+                            assert!(done, "fresh lease fenced");
+                        }
+                    })
+                })
+            });
+        }
+    } else {
+        println!("  design_ifeq skipped: this server has no SET ... IFEQ (Valkey 8.1, Redis 8.4)");
     }
 
     let done = claim(ids.key(ids.take(1)));
@@ -720,7 +759,7 @@ mod watch_multi {
     use super::{Ids, LEASE, RETENTION};
 
     const OWNER: &str = "bench";
-    const CHANNEL: &str = "idem:settled";
+    pub(super) const CHANNEL: &str = "idem:settled";
 
     /// `EXEC`s that came back nil.
     pub(super) static RETRIES: AtomicU64 = AtomicU64::new(0);
@@ -731,7 +770,7 @@ mod watch_multi {
     }
 
     /// `P<token>:<owner length>:<owner>`.
-    fn fence(token: u64) -> Vec<u8> {
+    pub(super) fn fence(token: u64) -> Vec<u8> {
         format!("P{token}:{}:{OWNER}", OWNER.len()).into_bytes()
     }
 
@@ -747,7 +786,7 @@ mod watch_multi {
     /// The completed record for `value` if it starts with `fence`: `C`, the part up to
     /// `;` (token, owner, fingerprint, attempts, retention), then the response. `None`
     /// when fenced.
-    fn completed(value: &[u8], fence: &[u8], response: &[u8]) -> Option<Vec<u8>> {
+    pub(super) fn completed(value: &[u8], fence: &[u8], response: &[u8]) -> Option<Vec<u8>> {
         if !value.starts_with(fence) {
             return None;
         }
@@ -770,22 +809,39 @@ mod watch_multi {
 
     /// A claim of a fresh key; the lease's fencing prefix.
     pub(super) async fn claim(conn: &mut impl ConnectionLike, key: &str) -> Vec<u8> {
+        claim_record(conn, key, true).await;
+        fence(1)
+    }
+
+    /// A claim of a fresh key, with the key's `PEXPIRETIME` in the same round trip (as the
+    /// backend's single claim) if `expire`; the record it wrote.
+    pub(super) async fn claim_record(
+        conn: &mut impl ConnectionLike,
+        key: &str,
+        expire: bool,
+    ) -> Vec<u8> {
         let retention = RETENTION.as_millis() as u64;
-        let (found, expire): (Option<Vec<u8>>, i64) = redis::pipe()
-            .cmd("SET")
+        let record = fresh(retention);
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET")
             .arg(key)
-            .arg(fresh(retention))
+            .arg(&record)
             .arg("NX")
             .arg("PX")
             .arg(LEASE.as_millis() as u64 + retention - 1)
-            .arg("GET")
-            .cmd("PEXPIRETIME")
-            .arg(key)
-            .query_async(conn)
-            .await
-            .expect("SET NX PX GET");
-        assert!(found.is_none() && expire > 0, "fresh key taken");
-        fence(1)
+            .arg("GET");
+        let found = if expire {
+            pipe.cmd("PEXPIRETIME").arg(key);
+            let (found, at): (Option<Vec<u8>>, i64) =
+                pipe.query_async(conn).await.expect("SET NX PX GET");
+            assert!(at > 0, "no expiry");
+            found
+        } else {
+            let (found,): (Option<Vec<u8>>,) = pipe.query_async(conn).await.expect("SET NX PX GET");
+            found
+        };
+        assert!(found.is_none(), "fresh key taken");
+        record
     }
 
     /// Round trip one: `WATCH key`, `GET key`.

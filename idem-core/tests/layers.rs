@@ -279,11 +279,26 @@ fn observe_counts_calls_by_operation_and_outcome() {
     );
 }
 
-/// Records each call the inner backend gets, and holds the first one until opened.
+/// Records each call the inner backend gets, holds call number `hold` (from 1) until
+/// opened, and answers call number `fail` with a store error.
 struct Gate {
     calls: std::sync::Mutex<Vec<(idem_core::layer::Op, usize)>>,
     entered: tokio::sync::Notify,
     open: tokio::sync::Semaphore,
+    hold: usize,
+    fail: Option<usize>,
+}
+
+impl Gate {
+    fn new(hold: usize, fail: Option<usize>) -> Arc<Self> {
+        Arc::new(Gate {
+            calls: std::sync::Mutex::default(),
+            entered: tokio::sync::Notify::new(),
+            open: tokio::sync::Semaphore::new(0),
+            hold,
+            fail,
+        })
+    }
 }
 
 #[derive(Clone)]
@@ -296,15 +311,18 @@ impl Around for GateRef {
         next: BoxFuture<'a, idem_core::Result<T>>,
     ) -> BoxFuture<'a, idem_core::Result<T>> {
         let gate = &self.0;
-        let first = {
+        let number = {
             let mut calls = gate.calls.lock().expect("calls");
             calls.push((call.op, call.items));
-            calls.len() == 1
+            calls.len()
         };
         Box::pin(async move {
-            if first {
+            if number == gate.hold {
                 gate.entered.notify_one();
                 gate.open.acquire().await.expect("gate").forget();
+            }
+            if gate.fail == Some(number) {
+                return Err(Error::unavailable("the gate fails this call", "test"));
             }
             next.await
         })
@@ -317,11 +335,7 @@ impl Around for GateRef {
 #[tokio::test]
 async fn coalesce_joins_single_calls_made_while_one_is_in_flight() {
     use idem_core::layer::{Coalesce, Op};
-    let gate = Arc::new(Gate {
-        calls: std::sync::Mutex::default(),
-        entered: tokio::sync::Notify::new(),
-        open: tokio::sync::Semaphore::new(0),
-    });
+    let gate = Gate::new(1, None);
     let backend = Coalesce::new(Layered::new(
         MemoryBackend::new(),
         GateRef(Arc::clone(&gate)),
@@ -386,6 +400,63 @@ async fn coalesce_joins_single_calls_made_while_one_is_in_flight() {
             .iter()
             .all(|(op, _)| matches!(op, Op::ClaimMany | Op::SettleMany | Op::Get)),
         "{calls:?}"
+    );
+}
+
+/// Settles queued behind one in flight go out as one `settle_many` per retention; when
+/// the second run fails, the first run's answers stand and only the second run's calls
+/// see the error.
+#[tokio::test]
+async fn coalesce_splits_settles_by_retention_and_keeps_earlier_answers() {
+    use idem_core::layer::{Coalesce, Op};
+    // Calls 1-3 claim, call 4 (a's complete) is held, then b's run and c's run go out:
+    // call 6, c's, fails.
+    let gate = Gate::new(4, Some(6));
+    let backend = Coalesce::new(Layered::new(
+        MemoryBackend::new(),
+        GateRef(Arc::clone(&gate)),
+    ));
+    let (a, b, c) = (
+        acquire(&backend, "a").await,
+        acquire(&backend, "b").await,
+        acquire(&backend, "c").await,
+    );
+    let r = || Bytes::from_static(b"r");
+    let mut first = Box::pin(backend.complete(&a, r(), HOUR));
+    assert!(futures::poll!(&mut first).is_pending());
+    gate.entered.notified().await;
+    let mut second = Box::pin(backend.complete(&b, r(), HOUR));
+    let mut third = Box::pin(backend.complete(&c, r(), 2 * HOUR));
+    assert!(futures::poll!(&mut second).is_pending());
+    assert!(futures::poll!(&mut third).is_pending());
+    gate.open.add_permits(1);
+
+    first.await.expect("a completes");
+    second
+        .await
+        .expect("b completes in the run before the failing one");
+    match third.await {
+        Err(Error::Unavailable { message, .. }) => {
+            assert!(message.contains("the gate fails"), "{message}")
+        }
+        other => panic!("c: expected the run's error, got {other:?}"),
+    }
+    for (lease, state) in [
+        (&a, State::Completed),
+        (&b, State::Completed),
+        (&c, State::Processing),
+    ] {
+        let record = backend.get(&lease.key).await.expect("get").expect("record");
+        assert_eq!(record.state, state, "{}", lease.key);
+    }
+    let calls = gate.calls.lock().expect("calls").clone();
+    assert_eq!(
+        calls[3..6],
+        [
+            (Op::SettleMany, 1),
+            (Op::SettleMany, 1),
+            (Op::SettleMany, 1)
+        ]
     );
 }
 
