@@ -1,5 +1,7 @@
 //! PostgreSQL: claim+complete, replay, contention, claim_many and transactional mode, each
-//! beside a raw baseline through the same pool in the same run.
+//! beside a raw baseline through the same pool in the same run. Also, for issue 14's
+//! single-key cell: claim+complete behind idem-core's `Coalesce`, and two designs on the
+//! raw table (`design_two_commits`, `design_async_claim`).
 //!
 //! `eval "$(scripts/services up postgres)"; cargo bench -p benches --bench postgres`
 
@@ -93,21 +95,69 @@ fn postgres(c: &mut Criterion) {
             }))
         })
     });
-    g.bench_function("claim_complete", |b| {
-        b.to_async(&rt).iter(|| {
-            join_all((0..CONCURRENCY).map(|_| {
-                let (backend, body) = (Arc::clone(&backend), body.clone());
-                async move {
-                    let ClaimOutcome::Acquired(l) =
-                        backend.claim(&claim(fresh())).await.expect("claim")
-                    else {
-                        panic!("fresh key not acquired");
-                    };
-                    backend.complete(&l, body, HOUR).await.expect("complete");
-                }
-            }))
-        })
-    });
+    // `_coalesced`: the same calls joined by idem-core's `Coalesce` layer: claims made
+    // while one is in flight go out as one `claim_many`, completes as one `settle_many`.
+    let coalesced = idem_core::layer::Coalesce::new((*backend).clone());
+    let subjects: [(&str, Arc<dyn Backend>); 2] = [
+        ("claim_complete", Arc::clone(&backend) as Arc<dyn Backend>),
+        ("claim_complete_coalesced", Arc::new(coalesced)),
+    ];
+    for (name, subject) in subjects {
+        g.bench_function(name, |b| {
+            b.to_async(&rt).iter(|| {
+                join_all((0..CONCURRENCY).map(|_| {
+                    let (backend, body) = (Arc::clone(&subject), body.clone());
+                    async move {
+                        let ClaimOutcome::Acquired(l) =
+                            backend.claim(&claim(fresh())).await.expect("claim")
+                        else {
+                            panic!("fresh key not acquired");
+                        };
+                        backend.complete(&l, body, HOUR).await.expect("complete");
+                    }
+                }))
+            })
+        });
+    }
+    // Two designs the backend does not use (issue 14), on the raw table: what any
+    // claim+complete costs that commits its claim durably (two plain statements, two
+    // synchronous commits), and the same with the claim's commit asynchronous (as
+    // transactional mode's claim commits; in lease mode a server crash could then lose a
+    // claim whose side effect has run).
+    for (name, insert) in [
+        (
+            "design_two_commits",
+            "INSERT INTO idem_bench.raw (k, v) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING 1",
+        ),
+        (
+            "design_async_claim",
+            "INSERT INTO idem_bench.raw (k, v) VALUES ($1, $2) ON CONFLICT DO NOTHING \
+             RETURNING set_config('synchronous_commit', 'off', true)",
+        ),
+    ] {
+        g.bench_function(name, |b| {
+            b.to_async(&rt).iter(|| {
+                join_all((0..CONCURRENCY).map(|_| {
+                    let (pool, body, k) = (pool.clone(), body.clone(), fresh().to_string());
+                    async move {
+                        let claimed = sqlx::query(insert)
+                            .bind(&k)
+                            .bind(&b"processing"[..])
+                            .fetch_optional(&pool)
+                            .await
+                            .expect("claim insert");
+                        assert!(claimed.is_some(), "fresh key taken");
+                        sqlx::query("UPDATE idem_bench.raw SET v = $2 WHERE k = $1")
+                            .bind(&k)
+                            .bind(body.as_ref())
+                            .execute(&pool)
+                            .await
+                            .expect("complete update");
+                    }
+                }))
+            })
+        });
+    }
     let done = claim(u64::MAX);
     rt.block_on(async {
         if let ClaimOutcome::Acquired(l) = backend.claim(&done).await.expect("claim") {
