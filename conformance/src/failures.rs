@@ -26,6 +26,7 @@ fn forged(key: &Key) -> Lease {
         attempts: 1,
         lease_until: Timestamp::from_millis(0),
         kind: ClaimKind::First,
+        fingerprint: None,
     }
 }
 

@@ -194,6 +194,7 @@ impl Leases {
             attempts: 1,
             lease_until: Timestamp::default(),
             kind: ClaimKind::First,
+            fingerprint: None,
         })
     }
 }

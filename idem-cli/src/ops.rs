@@ -137,6 +137,7 @@ pub async fn release(args: &ReleaseArgs) -> Result<()> {
         attempts: record.attempts,
         lease_until: record.lease_until.unwrap_or(now),
         kind: ClaimKind::Takeover,
+        fingerprint: record.fingerprint,
     };
     let backend = store.backend();
     match backend

@@ -120,6 +120,7 @@ fn granted(
         attempts: record.attempts,
         lease_until,
         kind,
+        fingerprint: record.fingerprint,
     };
     (lease, record)
 }

@@ -535,6 +535,7 @@ fn granted(rec: &Record, kind: &str) -> Result<ClaimOutcome> {
         attempts: rec.attempts,
         lease_until,
         kind,
+        fingerprint: rec.fingerprint,
     }))
 }
 

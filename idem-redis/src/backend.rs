@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -41,6 +42,9 @@ pub(crate) struct Shared {
     pub(crate) channel: String,
     /// The subscriber feeding [`Backend::watch`], started by the first watch.
     pub(crate) feed: OnceLock<Feed>,
+    /// False once the server refused `SET … IFEQ` (Redis before 8.4, Valkey before 8.1):
+    /// a complete then goes straight to the settle function.
+    pub(crate) compare_and_set: AtomicBool,
 }
 
 /// Idempotency records in Redis, standalone or cluster.
@@ -92,6 +96,7 @@ impl RedisBackend {
                 layout,
                 library: Library::new(),
                 feed: OnceLock::new(),
+                compare_and_set: AtomicBool::new(true),
             }),
         }
     }

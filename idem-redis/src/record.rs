@@ -20,7 +20,12 @@ pub(crate) struct Fence<'a>(pub &'a Lease);
 
 impl ToRedisArgs for Fence<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        front(&mut out.writer_for_next_arg(), self.0.token, &self.0.owner);
+        front(
+            &mut out.writer_for_next_arg(),
+            b'P',
+            self.0.token,
+            &self.0.owner,
+        );
     }
 }
 
@@ -35,34 +40,72 @@ pub(crate) struct Fresh<'a> {
 impl ToRedisArgs for Fresh<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
         let mut out = out.writer_for_next_arg();
-        front(&mut out, 1, &self.claim.owner);
-        let _ = match &self.claim.fingerprint {
-            Some(f) => out.write_all(b"#").and_then(|()| out.write_all(&f.0)),
-            None => out.write_all(b"-"),
-        };
-        let mut retention = itoa::Buffer::new();
-        let _ = [
-            &b"1:"[..],
-            retention.format(self.retention_ms).as_bytes(),
-            b";",
-        ]
-        .iter()
-        .try_for_each(|part| out.write_all(part));
+        front(&mut out, b'P', 1, &self.claim.owner);
+        rest(
+            &mut out,
+            self.claim.fingerprint.as_ref(),
+            1,
+            self.retention_ms,
+        );
     }
 }
 
-/// Writes a processing record's front, `P<token>:<#owner>:<owner>`, by hand rather than
-/// with `format!`: it runs for every claim and every settle. Writing into a command's
-/// buffer cannot fail.
-fn front(out: &mut impl Write, token: u64, owner: &str) {
+/// The whole record a lease's key holds while nobody else changed it (`P`, the fence, the
+/// lease's fingerprint and attempts, and `retention_ms` as `w`), or, given a response, the
+/// completed record that replaces it (`C`, the same fields, the response). The
+/// compare-and-set complete sends both; as command arguments they are written straight
+/// into the command.
+pub(crate) struct Held<'a> {
+    pub lease: &'a Lease,
+    pub retention_ms: u64,
+    pub response: Option<&'a [u8]>,
+}
+
+impl ToRedisArgs for Held<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let mut out = out.writer_for_next_arg();
+        let (lease, response) = (self.lease, self.response);
+        let state = if response.is_some() { b'C' } else { b'P' };
+        front(&mut out, state, lease.token, &lease.owner);
+        rest(
+            &mut out,
+            lease.fingerprint.as_ref(),
+            lease.attempts,
+            self.retention_ms,
+        );
+        let _ = out.write_all(response.unwrap_or_default());
+    }
+}
+
+/// Writes a record's front, `<state><token>:<#owner>:<owner>` (the fencing prefix with
+/// `P`), by hand rather than with `format!`: it runs for every claim and every settle.
+/// Writing into a command's buffer cannot fail.
+fn front(out: &mut impl Write, state: u8, token: u64, owner: &str) {
     let (mut token_text, mut len_text) = (itoa::Buffer::new(), itoa::Buffer::new());
     let parts: [&[u8]; 6] = [
-        b"P",
+        &[state],
         token_text.format(token).as_bytes(),
         b":",
         len_text.format(owner.len()).as_bytes(),
         b":",
         owner.as_bytes(),
+    ];
+    let _ = parts.iter().try_for_each(|part| out.write_all(part));
+}
+
+/// Writes what follows the front up to `;`: the fingerprint (`-`, or `#` and its bytes),
+/// then `<attempts>:<retention ms>;`.
+fn rest(out: &mut impl Write, fingerprint: Option<&Fingerprint>, attempts: u32, w: u64) {
+    let _ = match fingerprint {
+        Some(f) => out.write_all(b"#").and_then(|()| out.write_all(&f.0)),
+        None => out.write_all(b"-"),
+    };
+    let (mut n, mut w_text) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let parts: [&[u8]; 4] = [
+        n.format(attempts).as_bytes(),
+        b":",
+        w_text.format(w).as_bytes(),
+        b";",
     ];
     let _ = parts.iter().try_for_each(|part| out.write_all(part));
 }
@@ -194,6 +237,7 @@ mod tests {
             attempts: 1,
             lease_until: Timestamp::from_millis(0),
             kind: ClaimKind::First,
+            fingerprint: None,
         }
     }
 

@@ -52,6 +52,7 @@ fn decode_outcome_inner(claim: &Claim, value: &Value) -> Option<ClaimOutcome> {
                     2 => ClaimKind::Takeover,
                     _ => return None,
                 },
+                fingerprint: claim.fingerprint,
             })
         }
         2 => ClaimOutcome::Completed(Bytes::copy_from_slice(bytes(items.next()?)?)),

@@ -1,7 +1,8 @@
-//! The whole conformance suite against a real Redis: standalone (`IDEM_REDIS_URL`) and a
-//! real cluster (`IDEM_REDIS_CLUSTER_URL`, comma-separated node URLs), with 500 ms leases
-//! and real waiting, and the failure cases of `conformance::remote_suite!`.
-//! `eval "$(scripts/services up)"` starts both.
+//! The whole conformance suite against a real Redis: standalone (`IDEM_REDIS_URL`), a
+//! real cluster (`IDEM_REDIS_CLUSTER_URL`, comma-separated node URLs) and a standalone
+//! Valkey 8.1 (`IDEM_VALKEY_URL`, where a single complete is a compare-and-set), with
+//! 500 ms leases and real waiting, and the failure cases of `conformance::remote_suite!`.
+//! `eval "$(scripts/services up)"` starts all three.
 
 mod common;
 
@@ -62,11 +63,13 @@ async fn plant<C: redis::aio::ConnectionLike>(
     Some(what)
 }
 
-/// A standalone server, or a Redis Cluster of several primaries.
+/// A standalone server, a Redis Cluster of several primaries, or a standalone Valkey 8.1
+/// (whose compare-and-set takes the single complete's fast path).
 #[derive(Clone, Copy)]
 enum Redis {
     Standalone,
     Cluster,
+    Valkey,
 }
 
 impl Redis {
@@ -74,6 +77,7 @@ impl Redis {
         match self {
             Redis::Standalone => standalone_config(),
             Redis::Cluster => cluster_config(),
+            Redis::Valkey => RedisConfig::new(service_env("IDEM_VALKEY_URL")),
         }
     }
 }
@@ -94,7 +98,7 @@ impl Remote for Redis {
     async fn connect_to(&self, addr: SocketAddr) -> Result<RedisBackend> {
         let url = format!("redis://{addr}/");
         match self {
-            Redis::Standalone => {
+            Redis::Standalone | Redis::Valkey => {
                 RedisBackend::connect_lazy(RedisConfig::new(url).with_timeout(TIMEOUT))
             }
             Redis::Cluster => {
@@ -117,6 +121,10 @@ impl Remote for Redis {
                 let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
                 plant(&mut conn, backend, key, kind).await
             }
+            Redis::Valkey => {
+                let mut conn = raw(&service_env("IDEM_VALKEY_URL")).await;
+                plant(&mut conn, backend, key, kind).await
+            }
             Redis::Cluster => plant(&mut raw_cluster().await, backend, key, kind).await,
         }
     }
@@ -130,6 +138,10 @@ mod standalone {
 mod cluster {
     conformance::suite!(super::Redis::Cluster);
     conformance::remote_suite!(super::Redis::Cluster);
+}
+
+mod valkey {
+    conformance::suite!(super::Redis::Valkey);
 }
 
 /// The cluster in every layer of idem-core (`conformance::in_every_layer`): concurrent

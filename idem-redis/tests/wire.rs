@@ -1,7 +1,8 @@
 //! The wire protocol: a fresh key is claimed with a plain `SET NX` and no script, a
-//! complete is one `FCALL` of the idem library (no `EVALSHA`), the deadline of a fast-path
-//! lease lives in the server's expiry (so the server's clock decides its lapse), and
-//! records of the first layout are still read.
+//! complete is one `FCALL` of the idem library (no `EVALSHA`) on Redis 7, where the first
+//! complete's `SET … IFEQ` is refused once, and one `SET … IFEQ` on Valkey 8.1, the
+//! deadline of a fast-path lease lives in the server's expiry (so the server's clock decides
+//! its lapse), and records of the first layout are still read.
 
 mod common;
 
@@ -18,6 +19,22 @@ use redis::aio::ConnectionLike;
 
 fn key(id: &str) -> Key {
     Key::new(unique_namespace(), id).expect("key")
+}
+
+/// What `op` answered, and the calls it sent of each command in `counted`
+/// (commandstats before and after; a function's nested calls count too).
+async fn sent<T>(
+    conn: &mut impl ConnectionLike,
+    counted: &[&str],
+    op: impl std::future::Future<Output = T>,
+) -> (T, Vec<u64>) {
+    let before = calls(conn, counted).await;
+    let answer = op.await;
+    let after = calls(conn, counted).await;
+    (
+        answer,
+        after.iter().zip(&before).map(|(a, b)| a - b).collect(),
+    )
 }
 
 fn acquired(answer: ClaimOutcome) -> Lease {
@@ -69,27 +86,21 @@ async fn fresh_keys_and_replays_need_no_script() {
 
     // The server has no idem library yet: the first complete finds its function missing,
     // loads the library and calls again.
-    let before = calls(&mut conn, &counted).await;
-    backend
-        .complete(&lease, Bytes::from_static(b"ok"), HOUR)
-        .await
-        .expect("complete");
-    let after = calls(&mut conn, &counted).await;
-    assert_eq!(after[3] - before[3], 2, "FCALL calls, the first refused");
-    assert_eq!(after[4] - before[4], 1, "FUNCTION LOAD calls");
+    let done = backend.complete(&lease, Bytes::from_static(b"ok"), HOUR);
+    let (done, n) = sent(&mut conn, &counted, done).await;
+    done.expect("complete");
+    assert_eq!(n[3], 2, "FCALL calls, the first refused");
+    assert_eq!(n[4], 1, "FUNCTION LOAD calls");
     // From then on a complete is one FCALL, and no script.
     let ClaimOutcome::Acquired(other) = &answers[0] else {
         panic!("{:?}", answers[0])
     };
-    let before = calls(&mut conn, &counted).await;
-    backend
-        .complete(other, Bytes::from_static(b"ok"), HOUR)
-        .await
-        .expect("complete");
-    let after = calls(&mut conn, &counted).await;
-    let sent: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
-    // (The SET is the function's own write: commandstats counts calls made inside it too.)
-    assert_eq!(sent, [0, 0, 1, 1, 0, 0, 0], "{counted:?} of a complete");
+    let done = backend.complete(other, Bytes::from_static(b"ok"), HOUR);
+    let (done, n) = sent(&mut conn, &counted, done).await;
+    done.expect("complete");
+    // (The SET is the function's own write: commandstats counts calls made inside it too.
+    // The first complete's `SET … IFEQ` was refused, so this one sends the function only.)
+    assert_eq!(n, [0, 0, 1, 1, 0, 0, 0], "{counted:?} of a complete");
 
     let before = calls(&mut conn, &counted).await;
     let replay = backend.claim(&claim(&lease.key, "v")).await.expect("claim");
@@ -206,14 +217,93 @@ async fn pexpiretime(conn: &mut impl ConnectionLike, record: &str) -> u64 {
         .expect("PEXPIRETIME")
 }
 
+/// On a server with compare-and-set (Valkey 8.1), a single complete is one `SET … IFEQ`
+/// and one `PUBLISH`: no function runs, a waiter on the key wakes, and the record is the
+/// one the function would have written.
+#[tokio::test]
+async fn a_complete_on_a_server_with_compare_and_set_runs_no_function() {
+    let (_server, backend, mut conn) = common::private_valkey().await;
+    let counted = ["fcall", "set", "publish", "function|load"];
+    let k = key("cas");
+    let lease = acquired(backend.claim(&claim(&k, "w")).await.expect("claim"));
+    let mut watch = backend.watch(&k).await;
+    let done = backend.complete(&lease, Bytes::from_static(b"ok"), HOUR);
+    let (done, n) = sent(&mut conn, &counted, done).await;
+    done.expect("complete");
+    assert_eq!(n, [0, 1, 1, 0], "{counted:?} of a complete");
+    assert!(
+        watch.changed(Duration::from_secs(10)).await,
+        "the waiter did not wake"
+    );
+    let replay = backend.claim(&claim(&k, "v")).await.expect("claim");
+    assert_eq!(replay, ClaimOutcome::Completed(Bytes::from_static(b"ok")));
+    let rec = backend.get(&k).await.expect("get").expect("record");
+    assert_eq!(
+        (rec.state, rec.token, rec.attempts, &*rec.owner),
+        (State::Completed, 1, 1, "w")
+    );
+    assert_eq!(rec.fingerprint, claim(&k, "w").fingerprint);
+}
+
+/// A complete whose lease was taken over finds another record: its `SET … IFEQ` does not
+/// land, the settle function answers `Fenced`, and the new holder's record stays. The new
+/// holder's complete (its record written by the claim function) lands by compare-and-set.
+#[tokio::test]
+async fn a_stale_complete_by_compare_and_set_is_fenced_by_the_function() {
+    let (_server, backend, mut conn) = common::private_valkey().await;
+    let k = key("stale");
+    let mut first = claim(&k, "a");
+    first.lease_ttl = Duration::from_millis(100);
+    let old = acquired(backend.claim(&first).await.expect("claim"));
+    // The lease lapses by the server's clock; nothing signals it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let new = acquired(backend.claim(&claim(&k, "b")).await.expect("takeover"));
+    assert_eq!((new.token, new.kind), (2, ClaimKind::Takeover));
+
+    let counted = ["fcall"];
+    let stale = backend.complete(&old, Bytes::from_static(b"stale"), HOUR);
+    let (res, n) = sent(&mut conn, &counted, stale).await;
+    assert!(matches!(res, Err(Error::Fenced { .. })), "{res:?}");
+    assert_eq!(n, [1], "FCALL calls: the function decides");
+    let rec = backend.get(&k).await.expect("get").expect("record");
+    assert_eq!(
+        (rec.state, rec.token, &*rec.owner),
+        (State::Processing, 2, "b")
+    );
+
+    let before = calls(&mut conn, &counted).await;
+    backend
+        .complete(&new, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("complete");
+    let after = calls(&mut conn, &counted).await;
+    assert_eq!(
+        after[0] - before[0],
+        0,
+        "FCALL calls of the takeover's complete"
+    );
+    let rec = backend.get(&k).await.expect("get").expect("record");
+    assert_eq!(
+        (rec.state, rec.token, rec.response.as_deref()),
+        (State::Completed, 2, Some(&b"ok"[..]))
+    );
+}
+
 /// A complete under a lease with time left, settled with the claim's retention, keeps the
 /// key's expiry (the lease's end plus that retention, later than now plus retention), as
 /// PostgreSQL keeps `expires_at`. With another retention, or under a lease the client sees
 /// about to lapse, the record expires at the server's now plus the settle's retention.
+/// The same on Valkey, where the complete is a compare-and-set.
 #[tokio::test]
 async fn a_complete_keeps_the_expiry_of_a_live_lease_settled_with_its_retention() {
     let backend = connect(standalone_config()).await;
-    let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
+    let conn = raw(&service_env("IDEM_REDIS_URL")).await;
+    keeps_expiry(backend, conn).await;
+    let (_server, backend, conn) = common::private_valkey().await;
+    keeps_expiry(backend, conn).await;
+}
+
+async fn keeps_expiry(backend: RedisBackend, mut conn: impl ConnectionLike) {
     let retention = HOUR.as_millis() as u64;
 
     // Live lease (10 s), same retention: the expiry does not move.
@@ -321,6 +411,7 @@ async fn records_of_the_first_layout_are_read_and_migrated() {
         attempts: 1,
         lease_until: Timestamp::from_millis(far),
         kind: ClaimKind::First,
+        fingerprint: None,
     };
     let res = backend.complete(&old, Bytes::from_static(b"x"), HOUR).await;
     assert!(matches!(res, Err(Error::Fenced { .. })), "{res:?}");

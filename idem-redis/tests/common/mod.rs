@@ -71,16 +71,29 @@ pub fn closed_port() -> u16 {
     listener.local_addr().expect("addr").port()
 }
 
-/// A `redis-server` of this test's own on a free loopback port, killed on drop.
+/// A `redis-server` (or `valkey-server`) of this test's own on a free loopback port,
+/// killed on drop.
 pub struct PrivateServer {
     pub port: u16,
+    binary: String,
     child: Option<Child>,
 }
 
 impl PrivateServer {
     pub async fn start() -> Self {
+        Self::start_binary("redis-server".into()).await
+    }
+
+    /// Valkey 8.1, which has compare-and-set (`SET … IFEQ`): the binary `scripts/services
+    /// up` installs, named by `IDEM_VALKEY_SERVER`.
+    pub async fn start_valkey() -> Self {
+        Self::start_binary(service_env("IDEM_VALKEY_SERVER")).await
+    }
+
+    async fn start_binary(binary: String) -> Self {
         let mut server = PrivateServer {
             port: closed_port(),
+            binary,
             child: None,
         };
         server.restart().await;
@@ -93,15 +106,18 @@ impl PrivateServer {
 
     /// Starts the server (again) on the same port and waits until it answers.
     pub async fn restart(&mut self) {
-        let child = Command::new("redis-server")
+        let child = Command::new(&self.binary)
             .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
             .args(["--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .spawn()
-            .expect(
-                "redis-server is not installed: run `eval \"$(scripts/services up)\"`, \
-                 which installs it",
-            );
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{} did not start ({e}): run `eval \"$(scripts/services up)\"`, which \
+                     installs it",
+                    self.binary
+                )
+            });
         self.child = Some(child);
         let client = redis::Client::open(self.url()).expect("url");
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -114,7 +130,8 @@ impl PrivateServer {
             }
             assert!(
                 Instant::now() < deadline,
-                "private redis-server did not start"
+                "private {} did not start",
+                self.binary
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -160,7 +177,25 @@ pub async fn private() -> (
     RedisBackend,
     redis::aio::MultiplexedConnection,
 ) {
-    let server = PrivateServer::start().await;
+    on(PrivateServer::start().await).await
+}
+
+/// [`private`] on a Valkey 8.1 server.
+pub async fn private_valkey() -> (
+    PrivateServer,
+    RedisBackend,
+    redis::aio::MultiplexedConnection,
+) {
+    on(PrivateServer::start_valkey().await).await
+}
+
+async fn on(
+    server: PrivateServer,
+) -> (
+    PrivateServer,
+    RedisBackend,
+    redis::aio::MultiplexedConnection,
+) {
     let backend = connect(RedisConfig::new(server.url())).await;
     let conn = raw(&server.url()).await;
     (server, backend, conn)
