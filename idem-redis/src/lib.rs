@@ -4,6 +4,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backend;
+mod cas;
 mod claim;
 mod config;
 mod conn;

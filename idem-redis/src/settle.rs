@@ -1,28 +1,26 @@
 //! Settling leases (complete, fail, release) with the settle function (`lua/settle.lua`):
 //! it checks that each record starts with its lease's fencing prefix and writes the new
 //! one around the part the client does not know (fingerprint and attempts), one call per
-//! batch per cluster slot. A single complete on a standalone server that has
-//! compare-and-set (`SET … IFEQ`: Valkey 8.1, Redis 8.4) runs no function: it names the
-//! whole record the lease holds, and only a record that differs goes to the function.
+//! batch per cluster slot. On a standalone server that has compare-and-set, completes try
+//! [`crate::cas`] first, and only what it leaves comes here.
 
 use std::time::Duration;
 
-use std::sync::atomic::Ordering;
+use std::collections::HashMap;
 
-use idem_core::{Error, FailureKind, Lease, Result, Settle, Settlement, Timestamp};
+use idem_core::{Error, FailureKind, Result, Settle, Settlement, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;
 use crate::backend::millis;
-use crate::conn::Conn;
-use crate::error::{bad_reply, from_redis};
+use crate::error::bad_reply;
 use crate::library::Function;
-use crate::record::{Fence, Held};
+use crate::record::Fence;
 
 /// How long a lease must have left, by this client's clock, for its complete to keep the
 /// record's expiry (action `k` of `lua/settle.lua`): the clocks of client and server may
 /// disagree by less than this without a completed record expiring before its retention.
-const KEEP_MARGIN: Duration = Duration::from_secs(1);
+pub(crate) const KEEP_MARGIN: Duration = Duration::from_secs(1);
 
 impl RedisBackend {
     /// [`Backend::settle_many`](idem_core::Backend::settle_many). Oversized responses are
@@ -40,6 +38,24 @@ impl RedisBackend {
             .iter()
             .map(|item| self.record_key(&item.lease.key))
             .collect();
+        // Completes of keys met once in the batch try compare-and-set first; a key met
+        // again goes to the function whole, which answers its items in order.
+        let mut count: HashMap<&str, usize, foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(keys.len(), Default::default());
+        for k in &keys {
+            *count.entry(k.as_str()).or_default() += 1;
+        }
+        let once: Vec<usize> = (0..items.len())
+            .filter(|&i| out[i].is_none() && count[keys[i].as_str()] == 1)
+            .collect();
+        for (&i, landed) in once
+            .iter()
+            .zip(self.swap(&keys, items, &once, retention).await?)
+        {
+            if landed {
+                out[i] = Some(Ok(()));
+            }
+        }
         let sent = (0..items.len()).filter(|&i| out[i].is_none());
         let groups = self.by_slot(&keys, sent);
         let calls = groups
@@ -63,15 +79,12 @@ impl RedisBackend {
     pub(crate) async fn settle_one(&self, item: Settlement, retention: Duration) -> Result<()> {
         self.check_size(&item.settle)?;
         let keys = [self.record_key(&item.lease.key)];
-        if let Settle::Complete(response) = &item.settle {
-            if self
-                .swap_complete(&keys[0], &item.lease, response, retention)
-                .await?
-            {
+        let items = std::slice::from_ref(&item);
+        if let Settle::Complete(_) = &item.settle {
+            if self.swap(&keys, items, &[0], retention).await?[..] == [true] {
                 return Ok(());
             }
         }
-        let items = std::slice::from_ref(&item);
         match self.settle_function(&keys, items, &[0], retention).await?[..] {
             [true] => Ok(()),
             [false] => Err(fenced(&item)),
@@ -134,88 +147,6 @@ impl RedisBackend {
         }
     }
 
-    /// A complete by compare-and-set, on a standalone server that has it: `SET key
-    /// <completed record> IFEQ <the record the lease holds> KEEPTTL` (or `PX` retention, as
-    /// the function chooses), and the key announced as the function announces it, in one
-    /// round trip. The held record is named whole (fence, fingerprint, attempts and `w` =
-    /// this retention), so the `SET` lands only on the very record this lease's claim
-    /// wrote. True if it landed; false where the settle function must answer: any other
-    /// record (fenced, or one this client cannot name: another retention, a retry that kept
-    /// an older fingerprint, the first layout), a cluster, or a server without `IFEQ`
-    /// (remembered after its first syntax error).
-    async fn swap_complete(
-        &self,
-        key: &str,
-        lease: &Lease,
-        response: &[u8],
-        retention: Duration,
-    ) -> Result<bool> {
-        let Conn::Single(conn) = &self.conn else {
-            return Ok(false);
-        };
-        if !self.shared.compare_and_set.load(Ordering::Relaxed) {
-            return Ok(false);
-        }
-        let retention_ms = millis(retention);
-        // The function's rule: keep the expiry under a live lease, else expire a
-        // millisecond after `PX` (which takes at least 1); a retention under 2 ms deletes.
-        let keep = lease.lease_until.since(Timestamp::now()) > KEEP_MARGIN;
-        if !keep && retention_ms < 2 {
-            return Ok(false);
-        }
-        let held = |response| Held {
-            lease,
-            retention_ms,
-            response,
-        };
-        let bytes = 2 * (key.len() + lease.owner.len() + 96) + response.len();
-        let mut set = redis::Cmd::with_capacity(6, bytes);
-        set.arg("SET")
-            .arg(key)
-            .arg(held(Some(response)))
-            .arg("IFEQ")
-            .arg(held(None));
-        if keep {
-            set.arg("KEEPTTL");
-        } else {
-            set.arg("PX").arg(retention_ms - 1);
-        }
-        let mut pipe = redis::pipe();
-        pipe.add_command(set)
-            .cmd("PUBLISH")
-            .arg(&self.shared.channel)
-            .arg(key)
-            .ignore();
-        let mut conn = conn.clone();
-        let sent = async move {
-            // Errors as values: the `SET`'s own answer tells a server without `IFEQ`.
-            let answer = pipe
-                .ignore_errors()
-                .query_async::<Vec<Value>>(&mut conn)
-                .await;
-            match answer.map_err(|e| from_redis("complete", e))?.as_slice() {
-                [Value::Okay | Value::SimpleString(_)] => Ok(Swap::Landed),
-                [Value::Nil] => Ok(Swap::NotHeld),
-                // Redis 7 and Valkey 8.0 answer `ERR syntax error`; other refusals (a
-                // replica, out of memory) go to the function, which answers them as usual.
-                [Value::ServerError(e)] => {
-                    let syntax = e.details().is_some_and(|d| d.contains("syntax"));
-                    Ok(if syntax { Swap::Unknown } else { Swap::NotHeld })
-                }
-                other => Err(bad_reply("complete", format!("{other:?}"))),
-            }
-        };
-        let timeout = self.shared.config.timeout();
-        match idem_core::layer::within("complete", timeout, Box::pin(sent)).await? {
-            Swap::Landed => Ok(true),
-            Swap::NotHeld => Ok(false),
-            Swap::Unknown => {
-                self.shared.compare_and_set.store(false, Ordering::Relaxed);
-                Ok(false)
-            }
-        }
-    }
-
     /// [`Error::TooLarge`] for a response over the configured limit.
     fn check_size(&self, settle: &Settle) -> Result<()> {
         let limit = self.shared.config.max_response_bytes();
@@ -228,17 +159,6 @@ impl RedisBackend {
             _ => Ok(()),
         }
     }
-}
-
-/// What a compare-and-set complete found.
-enum Swap {
-    /// The completed record replaced the held one.
-    Landed,
-    /// The key holds another record (or none), or the server refused the write: the
-    /// settle function decides.
-    NotHeld,
-    /// The server does not know `IFEQ`.
-    Unknown,
 }
 
 /// The error of a settle whose lease no longer holds the record.

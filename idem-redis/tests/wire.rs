@@ -12,7 +12,7 @@ use conformance::{service_env, unique_namespace};
 use std::time::Duration;
 
 use idem_core::{
-    Backend, ClaimKind, ClaimOutcome, Error, Key, Lease, Settlement, State, Timestamp,
+    Backend, ClaimKind, ClaimOutcome, Error, FailureKind, Key, Lease, Settlement, State, Timestamp,
 };
 use idem_redis::RedisBackend;
 use redis::aio::ConnectionLike;
@@ -116,14 +116,20 @@ async fn fresh_keys_and_replays_need_no_script() {
 #[tokio::test]
 async fn a_batch_settle_is_one_read_and_one_announcement_that_wakes_each_key() {
     let (_server, backend, mut conn) = common::private().await;
-    let batch = fresh_batch(3);
-    let leases: Vec<Lease> = backend
+    let batch = fresh_batch(4);
+    let mut leases: Vec<Lease> = backend
         .claim_many(&batch)
         .await
         .expect("claim_many")
         .into_iter()
         .map(acquired)
         .collect();
+    // The backend's first complete asks for `SET … IFEQ`, which Redis 7 refuses once.
+    let probe = leases.pop().expect("four leases");
+    backend
+        .complete(&probe, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .expect("complete");
     let mut watches = Vec::new();
     for lease in &leases {
         watches.push(backend.watch(&lease.key).await);
@@ -243,6 +249,49 @@ async fn a_complete_on_a_server_with_compare_and_set_runs_no_function() {
         (State::Completed, 1, 1, "w")
     );
     assert_eq!(rec.fingerprint, claim(&k, "w").fingerprint);
+}
+
+/// On a server with compare-and-set, a batch's completes of keys met once go out as one
+/// pipeline of `SET … IFEQ` and one `PUBLISH`; the rest (a fail, a key met twice) go to
+/// one function call, which answers them in order.
+#[tokio::test]
+async fn a_batch_on_a_server_with_compare_and_set_sends_only_the_rest_to_the_function() {
+    let (_server, backend, mut conn) = common::private_valkey().await;
+    let leases: Vec<Lease> = backend
+        .claim_many(&fresh_batch(4))
+        .await
+        .expect("claim_many")
+        .into_iter()
+        .map(acquired)
+        .collect();
+    let ok = || Bytes::from_static(b"ok");
+    let items = vec![
+        Settlement::complete(leases[0].clone(), ok()),
+        Settlement::complete(leases[1].clone(), ok()),
+        Settlement::fail(leases[2].clone(), "declined", FailureKind::Permanent),
+        Settlement::complete(leases[3].clone(), ok()),
+        Settlement::complete(leases[3].clone(), ok()),
+    ];
+    let counted = ["fcall", "publish", "mget"];
+    let (answers, n) = sent(&mut conn, &counted, backend.settle_many(&items, HOUR)).await;
+    let answers = answers.expect("settle_many");
+    assert!(answers[..4].iter().all(Result::is_ok), "{answers:?}");
+    assert!(
+        matches!(answers[4], Err(Error::Fenced { .. })),
+        "the key's second complete: {:?}",
+        answers[4]
+    );
+    // The function's first call on a new server is refused, loads the library, and runs.
+    assert_eq!(n, [2, 2, 1], "{counted:?} of the batch");
+    for (lease, state) in [
+        (&leases[0], State::Completed),
+        (&leases[1], State::Completed),
+        (&leases[2], State::Failed),
+        (&leases[3], State::Completed),
+    ] {
+        let rec = backend.get(&lease.key).await.expect("get").expect("record");
+        assert_eq!(rec.state, state, "{}", lease.key);
+    }
 }
 
 /// A complete whose lease was taken over finds another record: its `SET … IFEQ` does not
