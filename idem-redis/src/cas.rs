@@ -47,11 +47,12 @@ impl RedisBackend {
                 continue;
             };
             // The function's rule: keep the expiry under a live lease, else expire a
-            // millisecond after `PX` (which takes at least 1); under 2 ms it deletes.
-            let keep = lease.lease_until.since(now) > KEEP_MARGIN;
-            if !keep && retention_ms < 2 {
+            // millisecond after `PX` (which takes at least 1); a retention under 2 ms
+            // deletes the record, which the function does.
+            if retention_ms < 2 {
                 continue;
             }
+            let keep = lease.lease_until.since(now) > KEEP_MARGIN;
             pipe.add_command(set_if_held(&keys[i], lease, response, retention_ms, keep));
             if !sent.is_empty() {
                 announce.push(0);
