@@ -20,7 +20,9 @@ local function grant(recs, now, prev, key, c, kind)
   end
   save(key, rec, now)
   recs[key] = rec
-  return { 1, rec.t, rec.n, until_ms, kind }
+  -- The record's fingerprint too (empty for none): a retry keeps the stored one, and the
+  -- lease names the record with it (a compare-and-set complete).
+  return { 1, rec.t, rec.n, until_ms, kind, rec.f or '' }
 end
 
 -- The answer to claim c of key at now, given the records read so far (recs).

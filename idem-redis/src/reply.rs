@@ -1,7 +1,7 @@
 //! The claim function's reply (see `lua/claim.lua` for its shape).
 
 use bytes::Bytes;
-use idem_core::{Claim, ClaimKind, ClaimOutcome, Lease, Result, Timestamp};
+use idem_core::{Claim, ClaimKind, ClaimOutcome, Fingerprint, Lease, Result, Timestamp};
 use redis::Value;
 
 use crate::error::bad_reply;
@@ -38,8 +38,13 @@ fn decode_outcome_inner(claim: &Claim, value: &Value) -> Option<ClaimOutcome> {
     let tag = int(items.next()?)?;
     let out = match tag {
         1 => {
-            let (token, attempts, until, kind) =
-                (items.next()?, items.next()?, items.next()?, items.next()?);
+            let (token, attempts, until, kind, fingerprint) = (
+                items.next()?,
+                items.next()?,
+                items.next()?,
+                items.next()?,
+                items.next()?,
+            );
             ClaimOutcome::Acquired(Lease {
                 key: claim.key.clone(),
                 owner: claim.owner.clone(),
@@ -52,7 +57,11 @@ fn decode_outcome_inner(claim: &Claim, value: &Value) -> Option<ClaimOutcome> {
                     2 => ClaimKind::Takeover,
                     _ => return None,
                 },
-                fingerprint: claim.fingerprint,
+                // What the record holds: a retry keeps the stored fingerprint.
+                fingerprint: match bytes(fingerprint)? {
+                    [] => None,
+                    f => Some(Fingerprint(f.try_into().ok()?)),
+                },
             })
         }
         2 => ClaimOutcome::Completed(Bytes::copy_from_slice(bytes(items.next()?)?)),
@@ -100,11 +109,14 @@ mod tests {
             Value::Int(2),
             Value::Int(99),
             Value::Int(2),
+            Value::BulkString(vec![7; 32]),
         ]);
         match decode_outcome(&claim, acquired).unwrap() {
             ClaimOutcome::Acquired(l) => {
                 assert_eq!((l.token, l.attempts, l.kind), (4, 2, ClaimKind::Takeover));
                 assert_eq!(l.lease_until, Timestamp::from_millis(99));
+                // The record's fingerprint, kept from before, though this claim has none.
+                assert_eq!(l.fingerprint, Some(Fingerprint([7; 32])));
             }
             other => panic!("{other:?}"),
         }
