@@ -162,10 +162,10 @@ pub struct Lease {
     pub lease_until: Timestamp,
     /// Whether this is a first attempt, a retry or a takeover.
     pub kind: ClaimKind,
-    /// The payload fingerprint the record carries under this lease, as far as the backend
-    /// knows it (the claim's; on a retry, the one stored before where the backend reads
-    /// it). It plays no part in fencing: a backend may use it to name the record exactly
-    /// (Redis's compare-and-set complete does).
+    /// The payload fingerprint the record carries under this lease: the claim's, or on a
+    /// retry or takeover the one stored before, which the record keeps. It plays no part in
+    /// fencing: a backend may use it to name the record exactly (Redis's compare-and-set
+    /// complete does).
     pub fingerprint: Option<Fingerprint>,
 }
 

@@ -1,5 +1,6 @@
 //! [`RedisBackend`]: connections, slot grouping, and the operations that are one call each.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::AtomicBool;
@@ -128,6 +129,17 @@ impl RedisBackend {
         // Boxed once here: the client's futures are large, and each layer of the timeout
         // would otherwise move (copy) the whole of it.
         within(what, self.shared.config.timeout(), Box::pin(fut)).await
+    }
+
+    /// Whether each of `keys` is met only once among them (a batch's repeated key is
+    /// answered in order by a function, never by a plain command).
+    pub(crate) fn met_once(keys: &[String]) -> Vec<bool> {
+        let mut count: HashMap<&str, usize, foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(keys.len(), Default::default());
+        for k in keys {
+            *count.entry(k.as_str()).or_default() += 1;
+        }
+        keys.iter().map(|k| count[k.as_str()] == 1).collect()
     }
 
     /// `indices` grouped by the cluster slot of their Redis key (`keys[i]`), in order of

@@ -15,9 +15,14 @@ use crate::backend::millis;
 use crate::conn::Conn;
 use crate::error::{bad_reply, from_redis};
 use crate::record::Held;
-use crate::settle::KEEP_MARGIN;
+use crate::settle::keeps_expiry;
 
 impl RedisBackend {
+    /// Whether completes may try compare-and-set: a standalone server not known to lack it.
+    pub(crate) fn can_swap(&self) -> bool {
+        matches!(self.conn, Conn::Single(_)) && self.shared.compare_and_set.load(Ordering::Relaxed)
+    }
+
     /// Completes the items at `group` by compare-and-set, in one round trip: a `SET … IFEQ`
     /// each, then one `PUBLISH` of their keys (joined by NUL, as the settle function
     /// announces them). Which landed; the rest are for the function: a record other than
@@ -36,7 +41,7 @@ impl RedisBackend {
         let Conn::Single(conn) = &self.conn else {
             return Ok(out);
         };
-        if !self.shared.compare_and_set.load(Ordering::Relaxed) {
+        if !self.can_swap() {
             return Ok(out);
         }
         let (retention_ms, now) = (millis(retention), Timestamp::now());
@@ -52,7 +57,7 @@ impl RedisBackend {
             if retention_ms < 2 {
                 continue;
             }
-            let keep = lease.lease_until.since(now) > KEEP_MARGIN;
+            let keep = keeps_expiry(lease, now);
             pipe.add_command(set_if_held(&keys[i], lease, response, retention_ms, keep));
             if !sent.is_empty() {
                 announce.push(0);

@@ -5,8 +5,6 @@
 //! completed or spent one is answered from the value it returned; the rest go to the claim
 //! function (`lua/claim.lua`, see `library.rs`), one call per batch per cluster slot.
 
-use std::collections::HashMap;
-
 use idem_core::{Claim, ClaimOutcome, Result, State, Timestamp, machine};
 use redis::Value;
 
@@ -39,16 +37,9 @@ impl RedisBackend {
     /// claims in turn would give it.
     pub(crate) async fn claim_all(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
         let keys: Vec<String> = claims.iter().map(|c| self.record_key(&c.key)).collect();
-        let mut count: HashMap<&str, usize, foldhash::fast::RandomState> =
-            HashMap::with_capacity_and_hasher(keys.len(), Default::default());
-        for k in &keys {
-            *count.entry(k.as_str()).or_default() += 1;
-        }
         // A key met twice in the batch goes to the function, which answers its items in order.
-        let fast = (0..claims.len()).filter(|&i| {
-            let c = &claims[i];
-            count[keys[i].as_str()] == 1 && set_nx_can(c)
-        });
+        let once = Self::met_once(&keys);
+        let fast = (0..claims.len()).filter(|&i| once[i] && set_nx_can(&claims[i]));
         let groups = self.by_slot(&keys, fast);
         let calls = groups.iter().map(|g| self.set_nx(&keys, claims, g));
         let mut out: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];

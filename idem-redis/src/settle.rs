@@ -6,9 +6,7 @@
 
 use std::time::Duration;
 
-use std::collections::HashMap;
-
-use idem_core::{Error, FailureKind, Result, Settle, Settlement, Timestamp};
+use idem_core::{Error, FailureKind, Lease, Result, Settle, Settlement, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;
@@ -20,7 +18,13 @@ use crate::record::Fence;
 /// How long a lease must have left, by this client's clock, for its complete to keep the
 /// record's expiry (action `k` of `lua/settle.lua`): the clocks of client and server may
 /// disagree by less than this without a completed record expiring before its retention.
-pub(crate) const KEEP_MARGIN: Duration = Duration::from_secs(1);
+const KEEP_MARGIN: Duration = Duration::from_secs(1);
+
+/// Whether a complete of `lease` keeps its record's expiry (the `k` action): the lease has
+/// more than [`KEEP_MARGIN`] left by this client's clock at `now`.
+pub(crate) fn keeps_expiry(lease: &Lease, now: Timestamp) -> bool {
+    lease.lease_until.since(now) > KEEP_MARGIN
+}
 
 impl RedisBackend {
     /// [`Backend::settle_many`](idem_core::Backend::settle_many). Oversized responses are
@@ -40,20 +44,18 @@ impl RedisBackend {
             .collect();
         // Completes of keys met once in the batch try compare-and-set first; a key met
         // again goes to the function whole, which answers its items in order.
-        let mut count: HashMap<&str, usize, foldhash::fast::RandomState> =
-            HashMap::with_capacity_and_hasher(keys.len(), Default::default());
-        for k in &keys {
-            *count.entry(k.as_str()).or_default() += 1;
-        }
-        let once: Vec<usize> = (0..items.len())
-            .filter(|&i| out[i].is_none() && count[keys[i].as_str()] == 1)
-            .collect();
-        for (&i, landed) in once
-            .iter()
-            .zip(self.swap(&keys, items, &once, retention).await?)
-        {
-            if landed {
-                out[i] = Some(Ok(()));
+        if self.can_swap() {
+            let met_once = Self::met_once(&keys);
+            let once: Vec<usize> = (0..items.len())
+                .filter(|&i| out[i].is_none() && met_once[i])
+                .collect();
+            for (&i, landed) in once
+                .iter()
+                .zip(self.swap(&keys, items, &once, retention).await?)
+            {
+                if landed {
+                    out[i] = Some(Ok(()));
+                }
             }
         }
         let sent = (0..items.len()).filter(|&i| out[i].is_none());
@@ -121,7 +123,7 @@ impl RedisBackend {
             cmd.arg(Fence(&item.lease));
             match &item.settle {
                 Settle::Complete(response) => {
-                    let live = item.lease.lease_until.since(now) > KEEP_MARGIN;
+                    let live = keeps_expiry(&item.lease, now);
                     cmd.arg(if live { "k" } else { "c" }).arg(&response[..])
                 }
                 Settle::Fail { error, kind } => {
