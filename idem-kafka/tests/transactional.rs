@@ -296,9 +296,13 @@ async fn a_failing_or_panicking_handler_rolls_back_only_its_own_writes_in_a_batc
             "{id}: a failed attempt's writes roll back, the retry's commit once"
         );
     }
+    // Batched: some transaction holds several rows. How many batches the 31 messages
+    // arrive in depends on the fetches, and on a loaded machine they come smaller (16
+    // transactions for 29 rows in one CI run); the exact shape is
+    // `a_poll_batch_commits_in_one_transaction_with_the_offset_past_its_last_message`'s.
     let txids: std::collections::BTreeSet<i64> = rows.iter().map(|r| r.2).collect();
     assert!(
-        txids.len() < rows.len() / 2,
+        txids.len() < rows.len(),
         "{} transactions for {} rows: not batched",
         txids.len(),
         rows.len()
