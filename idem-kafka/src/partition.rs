@@ -1164,13 +1164,23 @@ impl Worker {
     /// fewer when a chunk would take longer than [`SETTLE_WITHIN`] or a quarter of the
     /// lease to run (its results are settled, and its offsets stored, only at its end). The
     /// first chunk, before any handler was timed, is short.
+    ///
+    /// With handlers in flight at once, a chunk is never shorter than `in_flight`: its
+    /// handlers start together, so no lease of it waits for a slot, however slow they are
+    /// (a shorter one would run slow handlers one at a time). Transactional lanes claim
+    /// nothing ahead (each message is claimed in its own transaction when it runs), so
+    /// their chunk is the whole batch.
     fn chunk_len(&self, left: usize) -> usize {
-        let budget = (self.engine.lease_ttl() / 4).min(SETTLE_WITHIN);
-        if self.per_message.is_zero() {
-            return left.min(FIRST_CHUNK);
+        let in_flight = self.shared.settings.in_flight;
+        if in_flight > 1 && self.shared.settings.mode.is_transactional() {
+            return left;
         }
+        if self.per_message.is_zero() {
+            return left.min(FIRST_CHUNK.max(in_flight));
+        }
+        let budget = (self.engine.lease_ttl() / 4).min(SETTLE_WITHIN);
         let fits = budget.as_nanos() / self.per_message.as_nanos().max(1);
-        left.min(usize::try_from(fits).unwrap_or(usize::MAX).max(1))
+        left.min(usize::try_from(fits).unwrap_or(usize::MAX).max(in_flight))
     }
 
     fn position(&self, msg: &Message) -> OffsetPosition {

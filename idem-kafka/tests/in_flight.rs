@@ -5,6 +5,7 @@
 mod common;
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -68,6 +69,19 @@ impl Probe for Watch {
         }
         Verdict::Continue
     }
+}
+
+/// Runs `consumer` until `watch` saw `n` messages settle, then stops it cleanly.
+async fn run_until_settled(
+    consumer: idem_kafka::IdemConsumer,
+    watch: &Watch,
+    n: usize,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let task = tokio::spawn(consumer.run());
+    watch.wait_settled(n).await;
+    stop.cancel();
+    task.await.expect("task").expect("clean stop");
 }
 
 /// What the handlers saw: per ordering key, the offsets in the order they started, and
@@ -154,10 +168,7 @@ async fn run_case(keys: Vec<u8>, millis: Vec<u8>, in_flight: usize) -> Result<()
         })
         .build()
         .expect("consumer");
-    let task = tokio::spawn(consumer.run());
-    watch.wait_settled(msgs.len()).await;
-    stop.cancel();
-    task.await.expect("task").expect("clean stop");
+    run_until_settled(consumer, &watch, msgs.len(), stop).await;
 
     let mut settled = watch.settled();
     settled.sort_unstable();
@@ -315,4 +326,57 @@ async fn revoke_with_handlers_in_flight() -> bool {
     assert_eq!((rec.state, rec.attempts), (State::Processing, 0), "{rec:?}");
     assert!(!settled.contains(&7));
     true
+}
+
+/// Handlers slower than the loop's chunk budget still run `in_flight` at once. A chunk
+/// sized by the budget alone shrank to one message after a few slow handlers, and ran the
+/// rest one at a time; a chunk is now never shorter than `in_flight`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slow_handlers_still_run_in_flight_at_once() {
+    const IN_FLIGHT: usize = 4;
+    let topic = unique("slow");
+    let (_cluster, brokers) = mock_topic(&topic, 1);
+    let msgs: Vec<Out> = (0..32)
+        .map(|i| Out::keyed(0, &format!("s{i}"), "x"))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let watch = Arc::new(Watch::default());
+    let running = Arc::new(AtomicUsize::new(0));
+    // The most handlers running at once as one of the last half starts: by then the loop
+    // has timed slow handlers for a while (the first chunk holds up to 16 messages).
+    let late_peak = Arc::new(AtomicUsize::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (now, peak) = (running.clone(), late_peak.clone());
+    let consumer = builder(&brokers, &topic, &unique("g"))
+        .engine(engine(
+            Arc::new(MemoryBackend::new()),
+            "w1",
+            Duration::from_secs(10),
+        ))
+        .in_flight(IN_FLIGHT)
+        .probe(watch.clone())
+        .shutdown(stop.clone().cancelled_owned())
+        .handler(move |msg, _| {
+            let (now, peak) = (now.clone(), peak.clone());
+            async move {
+                let at_once = now.fetch_add(1, Ordering::SeqCst) + 1;
+                if msg.offset() >= 16 {
+                    peak.fetch_max(at_once, Ordering::SeqCst);
+                }
+                // A handler waiting on I/O, longer than the chunk budget.
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                now.fetch_sub(1, Ordering::SeqCst);
+                Ok(Bytes::new())
+            }
+        })
+        .build()
+        .expect("consumer");
+    run_until_settled(consumer, &watch, msgs.len(), stop).await;
+    assert_eq!(
+        late_peak.load(Ordering::SeqCst),
+        IN_FLIGHT,
+        "slow handlers ran fewer than in_flight at once"
+    );
+    let violations = watch.violations.lock().expect("lock").clone();
+    assert!(violations.is_empty(), "{violations:?}");
 }
