@@ -402,30 +402,61 @@ pub fn install_metrics() {
     });
 }
 
-/// The sum over partitions of counter `name` for `topic` since the start. A snapshot
-/// resets the recorder's counters, so every snapshot is added into running totals.
-pub fn counter(name: &str, topic: &str) -> u64 {
+/// Counters and gauges summed over the snapshots since the start: a snapshot resets both
+/// to zero, so a gauge moved only by increments (as the loop's are, but `low_water_lag`)
+/// is the sum of its snapshots. Gauges by (name, topic, partition).
+struct Readings {
+    counters: Vec<(String, String, u64)>,
+    gauges: BTreeMap<(String, String, String), f64>,
+}
+
+/// Takes a snapshot of the recorder into the running readings.
+fn readings() -> std::sync::MutexGuard<'static, Readings> {
     use metrics_util::debugging::DebugValue;
-    static TOTALS: Mutex<Vec<(String, String, u64)>> = Mutex::new(Vec::new());
+    static READINGS: Mutex<Readings> = Mutex::new(Readings {
+        counters: Vec::new(),
+        gauges: BTreeMap::new(),
+    });
     let Some(snap) = SNAPSHOTTER.get() else {
         panic!("call install_metrics first");
     };
-    let mut totals = TOTALS.lock().expect("lock");
+    let mut readings = READINGS.lock().expect("lock");
     for (k, _, _, v) in snap.snapshot().into_vec() {
-        let DebugValue::Counter(n) = v else { continue };
         let key = k.key();
-        let t = key
-            .labels()
-            .find(|l| l.key() == "topic")
-            .map(|l| l.value().to_owned())
-            .unwrap_or_default();
-        totals.push((key.name().to_owned(), t, n));
+        let label = |name: &str| {
+            key.labels()
+                .find(|l| l.key() == name)
+                .map(|l| l.value().to_owned())
+                .unwrap_or_default()
+        };
+        let name = key.name().to_owned();
+        match v {
+            DebugValue::Counter(n) => readings.counters.push((name, label("topic"), n)),
+            DebugValue::Gauge(g) => {
+                let at = (name, label("topic"), label("partition"));
+                *readings.gauges.entry(at).or_default() += g.0;
+            }
+            _ => {}
+        }
     }
-    totals
+    readings
+}
+
+/// The sum over partitions of counter `name` for `topic` since the start.
+pub fn counter(name: &str, topic: &str) -> u64 {
+    readings()
+        .counters
         .iter()
         .filter(|(n, t, _)| n == name && t == topic)
         .map(|(.., v)| v)
         .sum()
+}
+
+/// The value now of gauge `name` for `topic`/`partition`, moved only by increments (0 if
+/// never moved).
+pub fn gauge(name: &str, topic: &str, partition: i32) -> f64 {
+    let at = (name.to_owned(), topic.to_owned(), partition.to_string());
+    readings().gauges.get(&at).copied().unwrap_or(0.0)
 }
 
 /// Logs to the test output when `RUST_LOG` is set.
