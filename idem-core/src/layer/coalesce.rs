@@ -338,3 +338,24 @@ fn again(e: &Error) -> Error {
         Error::Unsupported { operation } => Error::Unsupported { operation },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_answer_of_the_wrong_count_is_corrupt_for_every_caller() {
+        let short: Result<Vec<Result<u8>>> = Ok(vec![Ok(1), Ok(2)]);
+        let e = checked(short, 3).expect_err("two answers for three items");
+        assert!(
+            matches!(&e, Error::Corrupt { message, .. } if message.contains("of 3 answered 2")),
+            "{e:?}"
+        );
+        // Each caller of the batch gets the error again, not a share of the answers.
+        assert!(matches!(again(&e), Error::Corrupt { .. }));
+        let whole = checked(Ok(vec![Ok(1), Err(Error::unavailable("x", "y"))]), 2);
+        assert_eq!(whole.expect("one answer an item").len(), 2);
+        let failed: Result<Vec<Result<u8>>> = Err(Error::unavailable("down", "test"));
+        assert!(matches!(checked(failed, 1), Err(Error::Unavailable { .. })));
+    }
+}
