@@ -10,6 +10,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use idem_core::{Context, Engine, HandlerError, Key};
 use rdkafka::ClientConfig;
+use rdkafka::config::RDKafkaLogLevel;
 use tokio::sync::Semaphore;
 
 use crate::{Error, IdemConsumer, KeySource, Message, Probe, Result};
@@ -443,6 +444,12 @@ impl ConsumerBuilder {
         if config.get("fetch.queue.backoff.ms").is_none() {
             config.set("fetch.queue.backoff.ms", "10");
         }
+        // librdkafka's warnings (a failed asynchronous commit is reported only as one) reach
+        // `tracing` only if its log level lets them out; rdkafka takes that level from the
+        // `log` crate's, which is errors only where no `log` logger is installed.
+        if (config.log_level as u8) < RDKafkaLogLevel::Warning as u8 {
+            config.set_log_level(RDKafkaLogLevel::Warning);
+        }
         if self.topics.is_empty() {
             return Err(Error::Config("at least one topic is required".into()));
         }
@@ -650,6 +657,12 @@ mod tests {
             Some("false")
         );
         assert_eq!(s.consumer_config.get("fetch.queue.backoff.ms"), Some("10"));
+        assert!(
+            s.consumer_config.log_level as u8 >= RDKafkaLogLevel::Warning as u8
+                && s.producer_config.log_level as u8 >= RDKafkaLogLevel::Warning as u8,
+            "librdkafka's warnings are let out: {:?}",
+            s.consumer_config.log_level
+        );
         assert_eq!(s.consumer_config.get("group.id"), Some("billing"));
         assert_eq!(
             s.namespace, "billing",

@@ -201,9 +201,9 @@ impl Shared {
     /// Commits the offsets stored. Every `commit_interval` whether or not any were stored
     /// since: librdkafka skips partitions whose stored offset is committed already (then
     /// answers `NoOffset`, a no-op), and a commit that failed left its partitions behind,
-    /// so the next one retries them. An asynchronous commit's result never comes back to
-    /// the client (librdkafka delivers it only for automatic commits), so this is the
-    /// retry, even for the last offsets of an idle partition.
+    /// so the next one retries them, even the last offsets of an idle partition. A failed
+    /// asynchronous commit is reported only in librdkafka's log (`COMMITFAIL`), which
+    /// `LoopContext::log` counts.
     fn commit(&self, consumer: &BaseConsumer<LoopContext>, mode: CommitMode) {
         let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         if self.dead.is_cancelled() {
@@ -359,6 +359,12 @@ pub(crate) struct LoopContext {
 
 impl ClientContext for LoopContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        // The one report of a failed asynchronous commit: librdkafka hands its result
+        // only to a commit callback set in its configuration, which rdkafka does not set,
+        // and logs it instead.
+        if fac == "COMMITFAIL" {
+            crate::metrics::commit_failed(&self.shared.settings.group);
+        }
         log_to_tracing(level, fac, message);
     }
 

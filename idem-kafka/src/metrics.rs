@@ -1,4 +1,5 @@
-//! The `metrics` counters and gauge the loop keeps, labelled by `topic` and `partition`.
+//! The `metrics` counters and gauges the loop keeps, labelled by `topic` and `partition`
+//! (the commit errors by `group`).
 
 use metrics::{Counter, Gauge, counter, gauge};
 
@@ -16,6 +17,10 @@ pub const POISONED: &str = "idem_kafka_poisoned_total";
 pub const DEAD_LETTERED: &str = "idem_kafka_dead_lettered_total";
 /// Store calls that failed (each one stalls its partition until the store answers).
 pub const STORE_ERRORS: &str = "idem_kafka_store_errors_total";
+/// Offset commits that failed (each is retried at the next commit), labelled by `group`:
+/// librdkafka's `COMMITFAIL` reports, one per failed commit request whatever its
+/// partitions, for the periodic asynchronous commits too.
+pub const COMMIT_ERRORS: &str = "idem_kafka_commit_errors_total";
 /// Gauge: handlers running now.
 pub const IN_FLIGHT: &str = "idem_kafka_in_flight";
 /// Gauge: messages settled above the low-water mark, waiting for an earlier message to
@@ -34,6 +39,11 @@ pub(crate) fn buffered_bytes(topic: &str, partition: i32) -> Gauge {
         ("partition", partition.to_string()),
     ];
     gauge!(BUFFERED_BYTES, &labels)
+}
+
+/// Counts a failed offset commit of `group`.
+pub(crate) fn commit_failed(group: &str) {
+    counter!(COMMIT_ERRORS, "group" => group.to_owned()).increment(1);
 }
 
 /// The counters of one partition.

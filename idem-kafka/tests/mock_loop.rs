@@ -792,10 +792,12 @@ async fn failed_commits_are_retried() {
 }
 
 /// A commit that fails after the last offset was stored is retried too: nothing new is
-/// stored after it, so only the failure itself can bring the commit back.
+/// stored after it, so only the failure itself can bring the commit back. The failure of
+/// these asynchronous commits is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failed_commit_of_the_last_offsets_is_retried() {
     use idem_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    common::install_metrics();
     let topic = unique("lastcommit");
     let (cluster, brokers) = mock_topic(&topic, 1);
     let msgs: Vec<Out> = (0..3)
@@ -819,6 +821,11 @@ async fn a_failed_commit_of_the_last_offsets_is_retried() {
     );
     wait_committed(&brokers, &group, &topic, &[3], WAIT).await;
     running.stop().await;
+    let failed = common::counter_by(idem_kafka::metrics::COMMIT_ERRORS, "group", &group);
+    assert!(
+        (1..=2).contains(&failed),
+        "{failed} failed commits counted, for two refused"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -405,8 +405,12 @@ pub fn install_metrics() {
 /// Counters and gauges summed over the snapshots since the start: a snapshot resets both
 /// to zero, so a gauge moved only by increments (as the loop's are, but `low_water_lag`)
 /// is the sum of its snapshots. Gauges by (name, topic, partition).
+/// A metric's labels, as (key, value).
+type Labels = Vec<(String, String)>;
+
 struct Readings {
-    counters: Vec<(String, String, u64)>,
+    /// Each counter's name, labels and count in one snapshot.
+    counters: Vec<(String, Labels, u64)>,
     gauges: BTreeMap<(String, String, String), f64>,
 }
 
@@ -431,7 +435,13 @@ fn readings() -> std::sync::MutexGuard<'static, Readings> {
         };
         let name = key.name().to_owned();
         match v {
-            DebugValue::Counter(n) => readings.counters.push((name, label("topic"), n)),
+            DebugValue::Counter(n) => {
+                let labels = key
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
+                readings.counters.push((name, labels, n));
+            }
             DebugValue::Gauge(g) => {
                 let at = (name, label("topic"), label("partition"));
                 *readings.gauges.entry(at).or_default() += g.0;
@@ -444,10 +454,15 @@ fn readings() -> std::sync::MutexGuard<'static, Readings> {
 
 /// The sum over partitions of counter `name` for `topic` since the start.
 pub fn counter(name: &str, topic: &str) -> u64 {
+    counter_by(name, "topic", topic)
+}
+
+/// The sum of counter `name` where label `label` is `value`, since the start.
+pub fn counter_by(name: &str, label: &str, value: &str) -> u64 {
     readings()
         .counters
         .iter()
-        .filter(|(n, t, _)| n == name && t == topic)
+        .filter(|(n, labels, _)| n == name && labels.iter().any(|(k, v)| k == label && v == value))
         .map(|(.., v)| v)
         .sum()
 }
