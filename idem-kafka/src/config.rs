@@ -446,7 +446,9 @@ impl ConsumerBuilder {
         }
         // librdkafka's warnings (a failed asynchronous commit is reported only as one) reach
         // `tracing` only if its log level lets them out; rdkafka takes that level from the
-        // `log` crate's, which is errors only where no `log` logger is installed.
+        // `log` crate's, which is errors only where no `log` logger is installed. A level
+        // set below warnings on the config given is raised too: the commit-error counter
+        // needs it (README, "Observability").
         if (config.log_level as u8) < RDKafkaLogLevel::Warning as u8 {
             config.set_log_level(RDKafkaLogLevel::Warning);
         }

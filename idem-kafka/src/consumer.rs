@@ -201,9 +201,9 @@ impl Shared {
     /// Commits the offsets stored. Every `commit_interval` whether or not any were stored
     /// since: librdkafka skips partitions whose stored offset is committed already (then
     /// answers `NoOffset`, a no-op), and a commit that failed left its partitions behind,
-    /// so the next one retries them, even the last offsets of an idle partition. A failed
-    /// asynchronous commit is reported only in librdkafka's log (`COMMITFAIL`), which
-    /// `LoopContext::log` counts.
+    /// so the next one retries them, even the last offsets of an idle partition. A failure
+    /// is counted here, except that of an asynchronous commit's request: librdkafka
+    /// reports that only in its log (`COMMITFAIL`), which `LoopContext::log` counts.
     fn commit(&self, consumer: &BaseConsumer<LoopContext>, mode: CommitMode) {
         let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         if self.dead.is_cancelled() {
@@ -213,6 +213,9 @@ impl Shared {
             Ok(()) => self.probe_commit(),
             Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
             Err(e) => {
+                // A synchronous commit's failure, or one refused before any request: no
+                // `COMMITFAIL` is logged for either.
+                crate::metrics::commit_failed(&self.settings.group);
                 tracing::warn!(error = %e, "offset commit failed; retrying at the next commit");
             }
         }

@@ -31,6 +31,21 @@ pub(crate) fn lanes<K: Hash + Eq>(keys: impl Iterator<Item = Option<K>>) -> Vec<
     idem_core::group_by(0..keys.len(), |&i| keys[i].as_ref().ok_or(i))
 }
 
+/// How many leading positions, up to `cap`, have ordering keys no earlier one shares: the
+/// messages that run at once when they open a chunk (a keyless position shares nothing).
+pub(crate) fn distinct_prefix<K: Hash + Eq>(
+    keys: impl Iterator<Item = Option<K>>,
+    cap: usize,
+) -> usize {
+    let mut seen = std::collections::HashSet::new();
+    keys.take(cap)
+        .map_while(|k| match k {
+            None => Some(()),
+            Some(k) => seen.insert(k).then_some(()),
+        })
+        .count()
+}
+
 /// Which messages of a chunk settled, and how long the settled prefix is: the committed
 /// offset may move only to one past that prefix, never past an unsettled message.
 #[derive(Debug)]
@@ -131,6 +146,15 @@ impl Settler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_distinct_prefix_ends_at_a_repeated_key_or_the_cap() {
+        let keys = [Some("a"), None, Some("b"), None, Some("a"), Some("c")];
+        assert_eq!(distinct_prefix(keys.into_iter(), 8), 4);
+        assert_eq!(distinct_prefix(keys.into_iter(), 3), 3);
+        assert_eq!(distinct_prefix([Some("a"), Some("a")].into_iter(), 8), 1);
+        assert_eq!(distinct_prefix(std::iter::empty::<Option<&str>>(), 8), 0);
+    }
 
     #[test]
     fn lanes_keep_each_key_in_order_and_give_keyless_positions_their_own() {

@@ -18,8 +18,8 @@ pub const DEAD_LETTERED: &str = "idem_kafka_dead_lettered_total";
 /// Store calls that failed (each one stalls its partition until the store answers).
 pub const STORE_ERRORS: &str = "idem_kafka_store_errors_total";
 /// Offset commits that failed (each is retried at the next commit), labelled by `group`:
-/// librdkafka's `COMMITFAIL` reports, one per failed commit request whatever its
-/// partitions, for the periodic asynchronous commits too.
+/// one per failed commit whatever its partitions, synchronous (on a revoke or shutdown)
+/// or asynchronous (the periodic ones, counted from librdkafka's `COMMITFAIL` log line).
 pub const COMMIT_ERRORS: &str = "idem_kafka_commit_errors_total";
 /// Gauge: handlers running now.
 pub const IN_FLIGHT: &str = "idem_kafka_in_flight";

@@ -192,7 +192,7 @@ impl Worker {
         let items: Vec<Item> = batch.drain(..).map(|m| self.key(m)).collect();
         let mut start = 0;
         while start < items.len() {
-            let end = start + self.chunk_len(items.len() - start);
+            let end = start + self.chunk_len(&items[start..]);
             let began = Instant::now();
             let chunk = &items[start..end];
             let flow = match &self.shared.settings.mode {
@@ -575,11 +575,7 @@ impl Worker {
             }
             answers
         };
-        let order_by = self.shared.settings.order_by;
-        let lanes = lanes::lanes(chunk.iter().map(|item| match order_by {
-            OrderBy::IdempotencyKey => item.msg.key().map(LaneKey::Id),
-            _ => item.msg.message_key().map(LaneKey::Message),
-        }));
+        let lanes = lanes::lanes(chunk.iter().map(|item| self.lane_key(item)));
         let shared = Lanes {
             answers: std::sync::Mutex::new(answers),
             window: std::sync::Mutex::new(Window::new(chunk.len())),
@@ -1160,27 +1156,38 @@ impl Worker {
         Backoff::new(self.shared.settings.backoff)
     }
 
-    /// How many of `left` messages to claim at once: all of them while handlers are fast,
-    /// fewer when a chunk would take longer than [`SETTLE_WITHIN`] or a quarter of the
-    /// lease to run (its results are settled, and its offsets stored, only at its end). The
-    /// first chunk, before any handler was timed, is short.
+    /// How many of the `left` messages to claim at once: all of them while handlers are
+    /// fast, fewer when a chunk would take longer than [`SETTLE_WITHIN`] or a quarter of
+    /// the lease to run (its results are settled, and its offsets stored, only at its
+    /// end). The first chunk, before any handler was timed, is at most [`FIRST_CHUNK`].
     ///
-    /// With handlers in flight at once, a chunk is never shorter than `in_flight`: its
-    /// handlers start together, so no lease of it waits for a slot, however slow they are
-    /// (a shorter one would run slow handlers one at a time). Transactional lanes claim
-    /// nothing ahead (each message is claimed in its own transaction when it runs), so
-    /// their chunk is the whole batch.
-    fn chunk_len(&self, left: usize) -> usize {
+    /// With handlers in flight at once, a chunk always holds the leading messages whose
+    /// ordering keys differ, up to `in_flight`: they start together, so no lease of theirs
+    /// waits for another handler, however slow the handlers are (a chunk sized by time
+    /// alone shrank to one message, and ran slow handlers one at a time).
+    fn chunk_len(&self, left: &[Item]) -> usize {
         let in_flight = self.shared.settings.in_flight;
-        if in_flight > 1 && self.shared.settings.mode.is_transactional() {
-            return left;
+        let floor = if in_flight > 1 {
+            lanes::distinct_prefix(left.iter().map(|item| self.lane_key(item)), in_flight)
+        } else {
+            1
+        };
+        let fits = if self.per_message.is_zero() {
+            FIRST_CHUNK
+        } else {
+            let budget = (self.engine.lease_ttl() / 4).min(SETTLE_WITHIN);
+            let fits = budget.as_nanos() / self.per_message.as_nanos().max(1);
+            usize::try_from(fits).unwrap_or(usize::MAX)
+        };
+        left.len().min(fits.max(floor).max(1))
+    }
+
+    /// The key that orders `item` among concurrent handlers, if any.
+    fn lane_key<'a>(&self, item: &'a Item) -> Option<LaneKey<'a>> {
+        match self.shared.settings.order_by {
+            OrderBy::IdempotencyKey => item.msg.key().map(LaneKey::Id),
+            _ => item.msg.message_key().map(LaneKey::Message),
         }
-        if self.per_message.is_zero() {
-            return left.min(FIRST_CHUNK.max(in_flight));
-        }
-        let budget = (self.engine.lease_ttl() / 4).min(SETTLE_WITHIN);
-        let fits = budget.as_nanos() / self.per_message.as_nanos().max(1);
-        left.min(usize::try_from(fits).unwrap_or(usize::MAX).max(in_flight))
     }
 
     fn position(&self, msg: &Message) -> OffsetPosition {

@@ -343,8 +343,10 @@ fn again(e: &Error) -> Error {
 mod tests {
     use super::*;
 
+    /// `checked` and `again`, which the drain loop and `settle_runs` use to answer each
+    /// caller of a batch.
     #[test]
-    fn a_batch_answer_of_the_wrong_count_is_corrupt_for_every_caller() {
+    fn a_batch_answer_of_the_wrong_count_is_corrupt_and_copied_for_each_caller() {
         let short: Result<Vec<Result<u8>>> = Ok(vec![Ok(1), Ok(2)]);
         let e = checked(short, 3).expect_err("two answers for three items");
         assert!(

@@ -402,12 +402,12 @@ pub fn install_metrics() {
     });
 }
 
-/// Counters and gauges summed over the snapshots since the start: a snapshot resets both
-/// to zero, so a gauge moved only by increments (as the loop's are, but `low_water_lag`)
-/// is the sum of its snapshots. Gauges by (name, topic, partition).
 /// A metric's labels, as (key, value).
 type Labels = Vec<(String, String)>;
 
+/// Counters and gauges summed over the snapshots since the start: a snapshot resets both
+/// to zero, so a gauge moved only by increments (as the loop's are, but `low_water_lag`)
+/// is the sum of its snapshots. Gauges by (name, topic, partition).
 struct Readings {
     /// Each counter's name, labels and count in one snapshot.
     counters: Vec<(String, Labels, u64)>,
