@@ -12,7 +12,8 @@
 //! bare sequential loop or more (4 partitions × 64 handlers bound it at 256×; with one
 //! sequential loop as the baseline, the per-partition bound alone is 4×).
 //!
-//! `cargo bench -p benches --bench in_flight`
+//! `cargo bench -p benches --bench in_flight`; `IDEM_BENCH_HANDLER_MS=200` sleeps that
+//! long instead (each loop then handles proportionally fewer messages per sample).
 
 mod support;
 
@@ -32,7 +33,25 @@ use support::{Produce, Timing, config, create_topic, median, unique};
 const PARTITIONS: i32 = 4;
 const MESSAGES: usize = 20_000;
 const ENTITIES: usize = 1_000;
-const WORK: Duration = Duration::from_millis(20);
+
+/// How long every handler sleeps: `IDEM_BENCH_HANDLER_MS`, 20 ms unless set.
+fn work() -> Duration {
+    static MS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let ms = MS.get_or_init(|| {
+        std::env::var("IDEM_BENCH_HANDLER_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&ms| ms > 0)
+            .unwrap_or(20)
+    });
+    Duration::from_millis(*ms)
+}
+
+/// `n` messages at 20 ms a handler, as many as take the same time at `work()`.
+fn scaled(n: usize) -> usize {
+    let ms = usize::try_from(work().as_millis()).unwrap_or(usize::MAX);
+    (n * 20 / ms).max(4)
+}
 
 async fn produce(brokers: &str, topic: &str) {
     let messages = (0..MESSAGES).map(|i| Produce {
@@ -57,7 +76,7 @@ async fn bare_sequential(brokers: &str, topic: &str, n: usize) -> Duration {
     for _ in 0..n {
         let m = consumer.recv().await.expect("message");
         first.get_or_insert_with(Instant::now);
-        tokio::time::sleep(WORK).await;
+        tokio::time::sleep(work()).await;
         consumer.store_offset_from_message(&m).expect("store");
     }
     first.map_or(Duration::ZERO, |t| t.elapsed())
@@ -140,7 +159,7 @@ async fn idem(
             async move {
                 let entity = msg.message_key().cloned().unwrap_or_default();
                 order.start(&entity, (msg.partition(), msg.offset()));
-                tokio::time::sleep(WORK).await;
+                tokio::time::sleep(work()).await;
                 order.end(&entity);
                 Ok(bytes::Bytes::from_static(b"charged"))
             }
@@ -211,25 +230,28 @@ fn bench(c: &mut Criterion) {
         };
     let at = (brokers.clone(), topic.clone());
     let go = at.clone();
-    case("bare_sequential", 100, &move || {
+    let n = scaled(100);
+    case("bare_sequential", n, &move || {
         let (b, t) = go.clone();
-        async move { bare_sequential(&b, &t, 100).await }.boxed()
+        async move { bare_sequential(&b, &t, n).await }.boxed()
     });
     let go = at.clone();
-    case("idem_1_memory", 400, &move || {
+    let n = scaled(400);
+    case("idem_1_memory", n, &move || {
         let (b, t) = go.clone();
-        async move { idem(&b, &t, 400, 1, Arc::new(MemoryBackend::new())).await }.boxed()
+        async move { idem(&b, &t, n, 1, Arc::new(MemoryBackend::new())).await }.boxed()
     });
     let go = at.clone();
-    case("idem_64_memory", MESSAGES / 2, &move || {
+    let n = scaled(MESSAGES / 2);
+    case("idem_64_memory", n, &move || {
         let (b, t) = go.clone();
-        async move { idem(&b, &t, MESSAGES / 2, 64, Arc::new(MemoryBackend::new())).await }.boxed()
+        async move { idem(&b, &t, n, 64, Arc::new(MemoryBackend::new())).await }.boxed()
     });
     if let Some(redis) = redis {
         let go = at.clone();
-        case("idem_64_redis", MESSAGES / 2, &move || {
+        case("idem_64_redis", n, &move || {
             let ((b, t), store) = (go.clone(), redis.clone());
-            async move { idem(&b, &t, MESSAGES / 2, 64, store).await }.boxed()
+            async move { idem(&b, &t, n, 64, store).await }.boxed()
         });
     }
     g.finish();
@@ -245,7 +267,8 @@ fn bench(c: &mut Criterion) {
         )
     };
     let bare = of("bare_sequential");
-    println!("\n20 ms handler, {PARTITIONS} partitions on tansu (medians, messages/s):");
+    let ms = work().as_millis();
+    println!("\n{ms} ms handler, {PARTITIONS} partitions on tansu (medians, messages/s):");
     println!("| loop | msg/s | ÷ bare sequential |");
     println!("|---|---|---|");
     for which in [
