@@ -18,7 +18,9 @@
 //! On servers with compare-and-set, `SET … IFEQ` (Valkey 8.1, Redis 8.4), the backend's
 //! single complete is one (`claim_complete` there); `design_ifeq` sends the same commands
 //! by hand, and `design_ifeq_lean` drops the claim's `PEXPIRETIME` and the complete's
-//! `PUBLISH` (`support/redis_ifeq.rs`). The
+//! `PUBLISH` (`support/redis_ifeq.rs`). `design_replay_by_hand` sends a single claim's
+//! commands by hand for a key that holds a record (a replay's wire cost without the
+//! backend's code) and `design_replay_lean` only its `SET … NX PX … GET`. The
 //! single-key cases also print the server's time per message summed over the top-level
 //! calls, and a summary of them against the raw cycle at the end.
 //!
@@ -604,6 +606,28 @@ fn redis_benches(c: &mut Criterion) {
         })
     });
 
+    // The replay's wire cost without idem's client code (issue 18): the commands a single
+    // claim sends, by hand on the raw connection, for a key that holds a record; `_lean`
+    // drops the `PEXPIRETIME`, the one-command claim a replay could at best be. A replay
+    // below 0.9× a `GET` even here is bound by its commands, not by the backend's code.
+    for (name, expire) in [
+        ("design_replay_by_hand", true),
+        ("design_replay_lean", false),
+    ] {
+        measured!(g, stats, &raw, String::from(name), |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (raw, stored) = (raw.clone(), stored.clone());
+                spread(iters, 1, move |_| {
+                    let (mut raw, stored) = (raw.clone(), stored.clone());
+                    async move {
+                        let found = watch_multi::claim_found(&mut raw, &stored, expire).await;
+                        assert!(found.is_some(), "the stored key has a record");
+                    }
+                })
+            })
+        });
+    }
+
     // Each element is one race: CONCURRENCY claims of one fresh key at once, one wins.
     measured!(g, stats, &raw, String::from("contention_one_key"), |b| {
         b.to_async(&rt).iter_custom(|iters| {
@@ -829,6 +853,26 @@ mod watch_multi {
         key: &str,
         expire: bool,
     ) -> Vec<u8> {
+        let (record, found) = claim_sent(conn, key, expire).await;
+        assert!(found.is_none(), "fresh key taken");
+        record
+    }
+
+    /// The same commands for a key that may hold a record: what `SET … GET` found there.
+    pub(super) async fn claim_found(
+        conn: &mut impl ConnectionLike,
+        key: &str,
+        expire: bool,
+    ) -> Option<Vec<u8>> {
+        claim_sent(conn, key, expire).await.1
+    }
+
+    /// The claim's commands: the record it sent, and what the key held.
+    async fn claim_sent(
+        conn: &mut impl ConnectionLike,
+        key: &str,
+        expire: bool,
+    ) -> (Vec<u8>, Option<Vec<u8>>) {
         let retention = RETENTION.as_millis() as u64;
         let record = fresh(retention);
         let mut pipe = redis::pipe();
@@ -849,8 +893,7 @@ mod watch_multi {
             let (found,): (Option<Vec<u8>>,) = pipe.query_async(conn).await.expect("SET NX PX GET");
             found
         };
-        assert!(found.is_none(), "fresh key taken");
-        record
+        (record, found)
     }
 
     /// Round trip one: `WATCH key`, `GET key`.
