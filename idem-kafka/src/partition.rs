@@ -1167,17 +1167,19 @@ impl Worker {
     /// alone shrank to one message, and ran slow handlers one at a time).
     fn chunk_len(&self, left: &[Item]) -> usize {
         let in_flight = self.shared.settings.in_flight;
-        let floor = if in_flight > 1 {
-            lanes::distinct_prefix(left.iter().map(|item| self.lane_key(item)), in_flight)
-        } else {
-            1
-        };
         let fits = if self.per_message.is_zero() {
             FIRST_CHUNK
         } else {
             let budget = (self.engine.lease_ttl() / 4).min(SETTLE_WITHIN);
             let fits = budget.as_nanos() / self.per_message.as_nanos().max(1);
             usize::try_from(fits).unwrap_or(usize::MAX)
+        };
+        // The floor is at most `in_flight`: with fast handlers the budget already holds
+        // that many, and the keys need not be read.
+        let floor = if fits < in_flight {
+            lanes::distinct_prefix(left.iter().map(|item| self.lane_key(item)), in_flight)
+        } else {
+            1
         };
         left.len().min(fits.max(floor).max(1))
     }
