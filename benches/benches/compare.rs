@@ -3,7 +3,7 @@
 //!
 //! `eval "$(scripts/services up)"; cargo bench -p benches -- compare`
 //!
-//! It runs every backend registered in `idem::drivers()`, each in a place of its own (its
+//! It runs every backend registered in `idem_once::drivers()`, each in a place of its own (its
 //! driver's isolation) with its driver's raw baseline. A backend whose service is not
 //! configured is skipped, with one line saying so.
 
@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use futures::future::join_all;
-use idem::driver::{Options, RawWrite, Store};
+use idem_once::driver::{Options, RawWrite, Store};
 use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
 
 const RETENTION: Duration = Duration::from_secs(600);
@@ -49,7 +49,7 @@ struct Subject {
 /// prints one line for each that is skipped.
 async fn subjects() -> Vec<Subject> {
     let mut out = Vec::new();
-    for registered in idem::drivers() {
+    for registered in idem_once::drivers() {
         let Some(driver) = registered.driver else {
             println!("compare: {} skipped: not compiled in", registered.name);
             continue;

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use conformance::CallLog;
+use idem_conformance::CallLog;
 use idem_core::layer::{BackendExt, Chaos, Fault};
 use idem_core::{Backend, ClaimOutcome, Engine, Key, Outcome, WaitPolicy};
 use idem_postgres::{PgBackend, PgConfig};

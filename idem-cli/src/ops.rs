@@ -12,7 +12,7 @@ use crate::confirm::confirm;
 use crate::error::{Error, Result, StoreContext};
 use crate::show::{RecordView, record_text, records_table};
 use crate::target::Target;
-use idem::driver::{Options, Store};
+use idem_once::driver::{Options, Store};
 
 pub(crate) async fn open(url: &str) -> Result<(Target, Box<dyn Store>)> {
     let target = Target::parse(url)?;

@@ -1,11 +1,11 @@
 //! Backend URLs: which store a command talks to. Each URL goes to the driver that
-//! registered its scheme (`idem::drivers()`): `memory:`, `redis://…`, `postgres://…`,
+//! registered its scheme (`idem_once::drivers()`): `memory:`, `redis://…`, `postgres://…`,
 //! `dynamodb://<table>?endpoint=…&region=…`; each driver's docs give its parameters.
 
 use std::fmt;
 
-use idem::driver::{Driver, Options, Store, redact};
-use idem::{LookupError, drivers};
+use idem_once::driver::{Driver, Options, Store, redact};
+use idem_once::{LookupError, drivers};
 
 use crate::error::{Error, Result, StoreContext};
 
@@ -27,7 +27,7 @@ impl Target {
             reason,
             expected: expected(),
         };
-        let driver = idem::driver_for(text).map_err(|e| match e {
+        let driver = idem_once::driver_for(text).map_err(|e| match e {
             LookupError::NotCompiled { name, feature } => Error::FeatureMissing {
                 what: format!("the {name} backend"),
                 feature,
@@ -35,7 +35,7 @@ impl Target {
             other => bad(other.to_string()),
         })?;
         let shown = driver.check(text).map_err(|e| match e {
-            idem::Error::Config { message, .. } => bad(message),
+            idem_once::Error::Config { message, .. } => bad(message),
             other => bad(other.to_string()),
         })?;
         Ok(Target {

@@ -9,9 +9,9 @@ use serde_json::Value;
 
 #[test]
 fn bench_writes_json_and_svg_with_real_numbers() {
-    let pg = conformance::service_env("IDEM_POSTGRES_URL");
-    let redis = conformance::service_env("IDEM_REDIS_URL");
-    let endpoint = conformance::service_env("IDEM_DYNAMO_ENDPOINT");
+    let pg = idem_conformance::service_env("IDEM_POSTGRES_URL");
+    let redis = idem_conformance::service_env("IDEM_REDIS_URL");
+    let endpoint = idem_conformance::service_env("IDEM_DYNAMO_ENDPOINT");
     let dynamo = format!("dynamodb://idem?endpoint={endpoint}");
     let out = tempfile::tempdir().expect("temp dir");
     let dir = out.path().to_str().expect("utf-8 path");

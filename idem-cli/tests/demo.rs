@@ -119,7 +119,7 @@ fn a_forced_double_charge_fails_the_run() {
 
 #[test]
 fn the_idem_side_runs_on_a_real_redis() {
-    let redis = conformance::service_env("IDEM_REDIS_URL");
+    let redis = idem_conformance::service_env("IDEM_REDIS_URL");
     let out = demo(
         &[
             "--messages",

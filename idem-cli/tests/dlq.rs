@@ -85,8 +85,8 @@ fn on_topic(brokers: &str, topic: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poisoned_message_is_replayed_after_the_fix_and_handled_once() {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
-    let redis = conformance::service_env("IDEM_REDIS_URL");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
+    let redis = idem_conformance::service_env("IDEM_REDIS_URL");
     let prefix = format!("{}:", unique("idemcli-dlq"));
     let sep = if redis.contains('?') { '&' } else { '?' };
     let url = format!("{redis}{sep}prefix={prefix}");
@@ -235,7 +235,7 @@ async fn a_poisoned_message_is_replayed_after_the_fix_and_handled_once() {
 
 #[test]
 fn a_missing_topic_and_a_dead_broker_are_one_line() {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     let missing = unique("missing.dlq");
     let err = fails(&["dlq", "list", "--brokers", &brokers, &missing], 1);
     assert!(err.contains("does not exist"), "{err}");

@@ -10,7 +10,7 @@ use idem_dynamo::{DynamoBackend, DynamoConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_commands_on_dynamodb() {
-    let endpoint = conformance::service_env("IDEM_DYNAMO_ENDPOINT");
+    let endpoint = idem_conformance::service_env("IDEM_DYNAMO_ENDPOINT");
     let table = format!("idemcli-{}-{}", std::process::id(), fastrand::u32(..));
     let url = format!("dynamodb://{table}?endpoint={endpoint}");
 

@@ -14,7 +14,7 @@ fn fresh_schema() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_commands_on_postgres() {
-    let base = conformance::service_env("IDEM_POSTGRES_URL");
+    let base = idem_conformance::service_env("IDEM_POSTGRES_URL");
     let schema = fresh_schema();
     let sep = if base.contains('?') { '&' } else { '?' };
     let url = format!("{base}{sep}schema={schema}");

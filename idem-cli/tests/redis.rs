@@ -9,7 +9,7 @@ use idem_redis::{RedisBackend, RedisConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_commands_on_redis() {
-    let base = conformance::service_env("IDEM_REDIS_URL");
+    let base = idem_conformance::service_env("IDEM_REDIS_URL");
     let prefix = format!("idemcli:{}:{}:", std::process::id(), fastrand::u32(..));
     let sep = if base.contains('?') { '&' } else { '?' };
     let url = format!("{base}{sep}prefix={prefix}");

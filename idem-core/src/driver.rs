@@ -2,7 +2,7 @@
 //! schemes it answers to, how to connect from a URL, what to create in the store, the
 //! store's raw write-if-absent (the floor benches measure idem against), and how a test or
 //! a bench gets a place of its own. The `idem` facade registers the drivers compiled in
-//! (`idem::drivers()`, `idem::open(url)`); the CLI and the benches iterate them, so adding a
+//! (`idem_once::drivers()`, `idem_once::open(url)`); the CLI and the benches iterate them, so adding a
 //! backend is its crate, a facade feature and one registration line.
 
 use std::fmt;

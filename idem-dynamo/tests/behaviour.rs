@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::types::{AttributeValue, TimeToLiveStatus};
 use bytes::Bytes;
-use conformance::acquire;
+use idem_conformance::acquire;
 use idem_core::clock::ManualClock;
 use idem_core::machine::lapsed_error;
 use idem_core::{
@@ -30,11 +30,11 @@ async fn on_clock(clock: &ManualClock, skew: Duration) -> DynamoBackend {
 }
 
 fn claim_of(key: &Key, owner: &str) -> Claim {
-    conformance::claim_of(key, owner, LEASE)
+    idem_conformance::claim_of(key, owner, LEASE)
 }
 
 fn fresh_key(id: &str) -> Key {
-    Key::new(conformance::unique_namespace(), id).expect("key")
+    Key::new(idem_conformance::unique_namespace(), id).expect("key")
 }
 
 #[tokio::test]
@@ -297,7 +297,7 @@ async fn round_trips_per_path() {
 async fn claim_many_answers_a_wide_batch_in_order() {
     let clock = ManualClock::new(Timestamp::now());
     let b = on_clock(&clock, Duration::ZERO).await;
-    let ns = conformance::unique_namespace();
+    let ns = idem_conformance::unique_namespace();
     let keys: Vec<Key> = (0..100)
         .map(|i| Key::new(ns.clone(), format!("k{i}")).expect("key"))
         .collect();

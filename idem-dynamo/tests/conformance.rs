@@ -8,7 +8,7 @@
 //!   reference model with no skew margin.
 //!
 //! Each case gets its own namespace, which is its own key prefix, in one shared table.
-//! `real` also runs the failure cases of `conformance::remote_suite!`.
+//! `real` also runs the failure cases of `idem_conformance::remote_suite!`.
 
 mod common;
 
@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use bytes::Bytes;
-use conformance::{Factory, Fixture, Remote};
+use idem_conformance::{Factory, Fixture, Remote};
 use idem_core::clock::ManualClock;
 use idem_core::{Backend, Claim, ClaimOutcome, Key, Result, Timestamp};
 use idem_dynamo::{DynamoBackend, DynamoConfig};
@@ -45,14 +45,14 @@ async fn connect(config: DynamoConfig) -> DynamoBackend {
 /// JVM compiles as it goes), slow enough that 64 racing claims can outlast a lease, which
 /// the race cases take as a second winner.
 async fn warm_up(backend: &DynamoBackend) {
-    let namespace = conformance::unique_namespace();
+    let namespace = idem_conformance::unique_namespace();
     for round in 0..4 {
         let claims: Vec<Claim> = (0..64)
             .map(|i| {
                 let id = format!("{}-{}", round / 2, i % 32); // odd rounds replay
                 let key = Key::new(namespace.clone(), id).expect("key");
                 let long = Duration::from_secs(60); // however slow the server still is
-                conformance::claim_of(&key, &format!("warm-{round}-{i}"), long)
+                idem_conformance::claim_of(&key, &format!("warm-{round}-{i}"), long)
             })
             .collect();
         let answers = backend.claim_many(&claims).await.expect("warm-up claims");
@@ -162,10 +162,10 @@ impl Factory for ClientClock {
 }
 
 mod real {
-    conformance::suite!(super::Real);
-    conformance::remote_suite!(super::Real);
+    idem_conformance::suite!(super::Real);
+    idem_conformance::remote_suite!(super::Real);
 }
 
 mod client_clock {
-    conformance::suite!(super::ClientClock);
+    idem_conformance::suite!(super::ClientClock);
 }

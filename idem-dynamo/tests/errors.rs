@@ -1,21 +1,21 @@
 //! What goes wrong particular to DynamoDB, and what the backend says: missing tables,
 //! oversized items and error texts. On Amazon DynamoDB Local (`IDEM_DYNAMO_ENDPOINT`). The
 //! failures every backend shares (closed port, silent server, corrupt record, oversized
-//! response) are `conformance::remote_suite!` cases, run from `tests/conformance.rs`.
+//! response) are `idem_conformance::remote_suite!` cases, run from `tests/conformance.rs`.
 
 mod common;
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use conformance::acquire;
+use idem_conformance::acquire;
 use idem_core::{Backend, Claim, Error, FailureKind, Fingerprint, Key};
 use idem_dynamo::{DynamoBackend, DynamoConfig, ITEM_LIMIT_BYTES};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn claim_of(key: &Key, owner: &str) -> Claim {
-    conformance::claim_of(key, owner, Duration::from_secs(30))
+    idem_conformance::claim_of(key, owner, Duration::from_secs(30))
 }
 
 #[tokio::test]
@@ -36,7 +36,7 @@ async fn a_missing_table_is_a_configuration_error() {
 #[tokio::test]
 async fn an_oversized_error_text_is_too_large() {
     let b = common::backend("idem_errors").await;
-    let key = Key::new(conformance::unique_namespace(), "big").expect("key");
+    let key = Key::new(idem_conformance::unique_namespace(), "big").expect("key");
     let lease = acquire(&b, &claim_of(&key, "a")).await;
     let limit = b.capabilities().max_response_bytes;
     assert_eq!(limit, DynamoConfig::DEFAULT_MAX_RESPONSE_BYTES);
@@ -64,7 +64,7 @@ async fn an_item_over_dynamodbs_limit_is_too_large_and_changes_nothing() {
     let config = common::config("idem_errors").with_max_response_bytes(ITEM_LIMIT_BYTES);
     let b = DynamoBackend::connect(config).await.expect("connect");
     b.create_table().await.expect("create table");
-    let key = Key::new(conformance::unique_namespace(), "huge").expect("key");
+    let key = Key::new(idem_conformance::unique_namespace(), "huge").expect("key");
     let lease = acquire(&b, &claim_of(&key, "a")).await;
     let res = b
         .complete(&lease, Bytes::from(vec![1u8; ITEM_LIMIT_BYTES]), HOUR)
@@ -86,7 +86,7 @@ async fn a_record_without_fingerprint_keeps_none_when_claimed_with_one() {
     // cannot keep the record's (absent) fingerprint, so the claim decides from the
     // returned item and writes by compare-and-set. The answer is the state machine's.
     let b = common::backend("idem_errors").await;
-    let key = Key::new(conformance::unique_namespace(), "nofp").expect("key");
+    let key = Key::new(idem_conformance::unique_namespace(), "nofp").expect("key");
     let bare = Claim {
         fingerprint: None,
         max_attempts: 5,

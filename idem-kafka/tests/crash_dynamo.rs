@@ -14,8 +14,8 @@ use idem_dynamo::{DynamoBackend, DynamoConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_test_dynamo_store() {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
-    let endpoint = conformance::service_env("IDEM_DYNAMO_ENDPOINT");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
+    let endpoint = idem_conformance::service_env("IDEM_DYNAMO_ENDPOINT");
     common::install_metrics();
     common::log_from_env();
     let config = DynamoConfig::local(endpoint, "idem_kafka_crash")

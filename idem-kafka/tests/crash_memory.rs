@@ -12,7 +12,7 @@ use idem_core::MemoryBackend;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_test_memory_store() {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     common::install_metrics();
     common::log_from_env();
     crash::lease_mode(

@@ -29,7 +29,7 @@ async fn crash_test_postgres_transactional_in_flight_32() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_test_postgres_lease_mode() {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     common::install_metrics();
     common::log_from_env();
     let (backend, _) = common::postgres().await;
@@ -45,7 +45,7 @@ async fn crash_test_postgres_lease_mode() {
 }
 
 async fn scenario(plan: crash::Plan, label: &str) {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     common::install_metrics();
     common::log_from_env();
     let (backend, ledger) = common::postgres().await;

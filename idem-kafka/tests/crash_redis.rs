@@ -28,18 +28,18 @@ async fn crash_test_redis_store_in_flight_32() {
 /// The same on the three-node Redis Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_test_redis_cluster_store() {
-    let urls = conformance::service_env("IDEM_REDIS_CLUSTER_URL");
+    let urls = idem_conformance::service_env("IDEM_REDIS_CLUSTER_URL");
     let config = RedisConfig::cluster(urls.split(',').map(str::trim));
     run(config, crash::Plan::default(), "Redis Cluster, lease mode").await;
 }
 
 async fn scenario(plan: crash::Plan, label: &str) {
-    let url = conformance::service_env("IDEM_REDIS_URL");
+    let url = idem_conformance::service_env("IDEM_REDIS_URL");
     run(RedisConfig::new(url), plan, label).await;
 }
 
 async fn run(config: RedisConfig, plan: crash::Plan, label: &str) {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     common::install_metrics();
     common::log_from_env();
     let prefix = format!("{}:", common::unique("idem-kafka-crash"));

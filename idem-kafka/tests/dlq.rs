@@ -52,7 +52,7 @@ fn high_watermark(brokers: &str, topic: &str, partition: i32) -> i64 {
 }
 
 async fn redis() -> Arc<dyn Backend> {
-    let url = conformance::service_env("IDEM_REDIS_URL");
+    let url = idem_conformance::service_env("IDEM_REDIS_URL");
     let prefix = format!("{}:", unique("idem-dlq"));
     Arc::new(
         RedisBackend::connect(RedisConfig::new(url).with_prefix(prefix))
@@ -63,7 +63,7 @@ async fn redis() -> Arc<dyn Backend> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn letters_are_read_to_the_end_with_their_headers() {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     let dlq = unique("read.dlq");
     let empty = unique("empty.dlq");
     create_topics(&brokers, &[(&dlq, 2), (&empty, 3)]).await;
@@ -205,7 +205,7 @@ async fn record(store: &dyn Backend, key: &Key, state: State) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_letter_is_sent_back_once_and_reset_deletes_only_failed_records() {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     let topic = unique("payments");
     let dlq = format!("{topic}.dlq");
     create_topics(&brokers, &[(&topic, 3), (&dlq, 1)]).await;

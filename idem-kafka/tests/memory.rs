@@ -60,7 +60,7 @@ fn field(out: &str, name: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_of_large_messages_stays_within_the_byte_bound() {
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     let topic = unique("memory");
     let group = unique("g");
     let dlq = format!("{topic}.dlq");

@@ -161,11 +161,11 @@ struct Figures {
 async fn scenario(mode: Mode) -> Figures {
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + TIMEOUT;
-    let brokers = conformance::service_env("IDEM_KAFKA_BROKERS");
-    let pg_url = conformance::service_env("IDEM_POSTGRES_URL");
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
+    let pg_url = idem_conformance::service_env("IDEM_POSTGRES_URL");
     let store_url = match mode {
         Mode::Transactional => pg_url.clone(),
-        Mode::Lease => conformance::service_env("IDEM_REDIS_URL"),
+        Mode::Lease => idem_conformance::service_env("IDEM_REDIS_URL"),
     };
     let (pg, ledger) = common::postgres().await;
     let seq = format!("ALTER TABLE {ledger} ADD COLUMN seq bigserial");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Effects, Out, Recorder, builder, engine, mock_topic, produce, start, unique};
-use conformance::{CallLog, Counting};
+use idem_conformance::{CallLog, Counting};
 use idem_core::MemoryBackend;
 use idem_core::layer::BackendExt;
 

@@ -346,7 +346,7 @@ async fn a_message_taken_over_before_the_batch_locks_it_is_fenced_and_never_runs
     // lets the batch's claim update it but stops the batch's FOR UPDATE at it, before it
     // reaches "b-fence" (locks are taken in key order).
     let block = &claims(&["a-block"], "old", LONG)[0];
-    let old = conformance::acquire(&*backend, block).await;
+    let old = idem_conformance::acquire(&*backend, block).await;
     idem_core::Backend::fail(
         &*backend,
         &old,
@@ -386,7 +386,7 @@ async fn a_message_taken_over_before_the_batch_locks_it_is_fenced_and_never_runs
         tokio::task::yield_now().await;
     }
     tokio::time::sleep(short).await; // b-fence's lease lapses
-    let thief = conformance::acquire(&*backend, &claims(&["b-fence"], "thief", LONG)[0]).await;
+    let thief = idem_conformance::acquire(&*backend, &claims(&["b-fence"], "thief", LONG)[0]).await;
     holder.rollback().await.expect("release the key share lock");
     let out = run.await.expect("task").expect("batch");
     assert_eq!(

@@ -6,14 +6,14 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use conformance::acquire;
+use idem_conformance::acquire;
 use idem_core::{Backend, Claim, ClaimOutcome, Error, Fingerprint, Key, Settlement};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn claim(id: &str, owner: &str) -> Claim {
     let key = Key::new("co", id).expect("key");
-    conformance::claim_of(&key, owner, Duration::from_secs(30))
+    idem_conformance::claim_of(&key, owner, Duration::from_secs(30))
 }
 
 #[tokio::test]

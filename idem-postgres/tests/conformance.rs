@@ -1,5 +1,5 @@
 //! The whole conformance suite on a real PostgreSQL (`IDEM_POSTGRES_URL`), and the failure
-//! cases of `conformance::remote_suite!`; then the suite again with the backend in every
+//! cases of `idem_conformance::remote_suite!`; then the suite again with the backend in every
 //! layer (timeout, retry, observe), which must change no answer.
 
 mod common;
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use conformance::{Factory, Fixture, Remote, in_every_layer};
+use idem_conformance::{Factory, Fixture, Remote, in_every_layer};
 use idem_core::{Backend, Key, Result};
 use idem_postgres::{PgBackend, PgConfig};
 use sqlx::AssertSqlSafe;
@@ -77,10 +77,10 @@ impl Remote for Postgres {
     }
 }
 
-conformance::suite!(Postgres);
-conformance::remote_suite!(Postgres);
+idem_conformance::suite!(Postgres);
+idem_conformance::remote_suite!(Postgres);
 
-/// The backend in every layer (`conformance::in_every_layer`), over a real server.
+/// The backend in every layer (`idem_conformance::in_every_layer`), over a real server.
 struct Layers;
 
 impl Factory for Layers {
@@ -97,5 +97,5 @@ impl Factory for Layers {
 }
 
 mod layers {
-    conformance::suite!(super::Layers);
+    idem_conformance::suite!(super::Layers);
 }

@@ -1,6 +1,6 @@
 //! Bad input and a store that is down, as far as PostgreSQL's own: typed errors, never a
 //! panic or a hang. The failures every backend shares (closed port, silent server, corrupt
-//! record, oversized response) are `conformance::remote_suite!` cases, run from
+//! record, oversized response) are `idem_conformance::remote_suite!` cases, run from
 //! `tests/conformance.rs`.
 
 mod common;
@@ -120,7 +120,7 @@ async fn a_connect_timeout_of_duration_max_connects_and_claims() {
     for config in [config, set] {
         let backend = PgBackend::connect(config).await.expect("connect");
         backend.migrate().await.expect("migrate");
-        let key = Key::new(conformance::unique_namespace(), "forever").expect("key");
+        let key = Key::new(idem_conformance::unique_namespace(), "forever").expect("key");
         let res = backend.claim(&claim(&key)).await.expect("claim");
         assert!(
             matches!(res, idem_core::ClaimOutcome::Acquired(_)),

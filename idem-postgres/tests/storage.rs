@@ -15,7 +15,7 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
-use conformance::acquire;
+use idem_conformance::acquire;
 use idem_core::{Backend, Claim, ClaimOutcome, Key, Transactional};
 use idem_postgres::PgBackend;
 use sqlx::AssertSqlSafe;

@@ -1,7 +1,7 @@
 //! The whole conformance suite against a real Redis: standalone (`IDEM_REDIS_URL`), a
 //! real cluster (`IDEM_REDIS_CLUSTER_URL`, comma-separated node URLs) and a standalone
 //! Valkey 8.1 (`IDEM_VALKEY_URL`, where a single complete is a compare-and-set), with
-//! 500 ms leases and real waiting, and the failure cases of `conformance::remote_suite!`.
+//! 500 ms leases and real waiting, and the failure cases of `idem_conformance::remote_suite!`.
 //! `eval "$(scripts/services up)"` starts all three.
 
 mod common;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{cluster_config, raw, raw_cluster, standalone_config};
-use conformance::{Factory, Fixture, Remote, in_every_layer, service_env};
+use idem_conformance::{Factory, Fixture, Remote, in_every_layer, service_env};
 use idem_core::{Backend, Key, Result};
 use idem_redis::{RedisBackend, RedisConfig};
 
@@ -131,20 +131,20 @@ impl Remote for Redis {
 }
 
 mod standalone {
-    conformance::suite!(super::Redis::Standalone);
-    conformance::remote_suite!(super::Redis::Standalone);
+    idem_conformance::suite!(super::Redis::Standalone);
+    idem_conformance::remote_suite!(super::Redis::Standalone);
 }
 
 mod cluster {
-    conformance::suite!(super::Redis::Cluster);
-    conformance::remote_suite!(super::Redis::Cluster);
+    idem_conformance::suite!(super::Redis::Cluster);
+    idem_conformance::remote_suite!(super::Redis::Cluster);
 }
 
 mod valkey {
-    conformance::suite!(super::Redis::Valkey);
+    idem_conformance::suite!(super::Redis::Valkey);
 }
 
-/// The cluster in every layer of idem-core (`conformance::in_every_layer`): concurrent
+/// The cluster in every layer of idem-core (`idem_conformance::in_every_layer`): concurrent
 /// single calls joined into batch calls, which the cluster splits by slot.
 struct Layers;
 
@@ -161,5 +161,5 @@ impl Factory for Layers {
 }
 
 mod layers {
-    conformance::suite!(super::Layers);
+    idem_conformance::suite!(super::Layers);
 }

@@ -1,14 +1,14 @@
 //! Failures particular to Redis: an eager connect to a closed port, a corrupt record in a
 //! batch or a listing, passwords kept out of `Debug` and errors, bad configurations. The
 //! failures every backend shares (closed port, silent server, corrupt record, oversized
-//! response) are `conformance::remote_suite!` cases, run from `tests/conformance.rs`.
+//! response) are `idem_conformance::remote_suite!` cases, run from `tests/conformance.rs`.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use common::{claim, closed_port, connect, raw, standalone_config};
-use conformance::{service_env, unique_namespace};
+use idem_conformance::{service_env, unique_namespace};
 use idem_core::{Backend, Error, Key, ListFilter};
 use idem_redis::{RedisBackend, RedisConfig};
 

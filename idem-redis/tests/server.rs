@@ -9,7 +9,7 @@ use bytes::Bytes;
 use common::{
     HOUR, PrivateServer, calls, claim, cluster_config, connect, fresh_batch, raw, raw_cluster,
 };
-use conformance::unique_namespace;
+use idem_conformance::unique_namespace;
 use idem_core::{Backend, ClaimOutcome, Error, FailureKind, Key, Lease, Settlement, State};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::ConnectionLike;

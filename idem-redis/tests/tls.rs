@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{HOUR, claim, closed_port};
-use conformance::unique_namespace;
+use idem_conformance::unique_namespace;
 use idem_core::{Backend, ClaimOutcome, Error, Key};
 use idem_redis::{RedisBackend, RedisConfig};
 

@@ -8,7 +8,7 @@ mod common;
 
 use bytes::Bytes;
 use common::{HOUR, calls, claim, connect, fresh_batch, raw, standalone_config};
-use conformance::{service_env, unique_namespace};
+use idem_conformance::{service_env, unique_namespace};
 use std::time::Duration;
 
 use idem_core::{

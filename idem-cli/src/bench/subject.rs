@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::driver::{Options, RAW_RETENTION, RawWrite, Store};
+use idem_once::driver::{Options, RAW_RETENTION, RawWrite, Store};
 use idem_core::Backend;
 use idem_core::layer::Coalesce;
 

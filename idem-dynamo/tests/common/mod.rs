@@ -11,7 +11,7 @@ pub const SKEW: Duration = Duration::from_millis(50);
 /// The configuration for `table` on the server `IDEM_DYNAMO_ENDPOINT` names; fails the test,
 /// naming the command that starts the services, when it is unset.
 pub fn config(table: &str) -> DynamoConfig {
-    let endpoint = conformance::service_env("IDEM_DYNAMO_ENDPOINT");
+    let endpoint = idem_conformance::service_env("IDEM_DYNAMO_ENDPOINT");
     DynamoConfig::local(endpoint, table).with_clock_skew(SKEW)
 }
 
@@ -26,5 +26,5 @@ pub async fn backend(table: &str) -> DynamoBackend {
 
 /// A table name no other test uses.
 pub fn unique_table(what: &str) -> String {
-    format!("idem_{what}_{}", conformance::unique_namespace())
+    format!("idem_{what}_{}", idem_conformance::unique_namespace())
 }

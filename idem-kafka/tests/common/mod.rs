@@ -487,7 +487,7 @@ pub fn log_from_env() {
 /// A migrated PostgreSQL backend in a schema of its own, with a `ledger` table of
 /// (payment, token, instance) rows and no uniqueness, so a double effect would show.
 pub async fn postgres() -> (idem_postgres::PgBackend, String) {
-    let url = conformance::service_env("IDEM_POSTGRES_URL");
+    let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
     let schema = format!("kafkatest_{}_{}", std::process::id(), fastrand::u32(..));
     let config = idem_postgres::PgConfig::new(url)
         .with_schema(schema.clone())

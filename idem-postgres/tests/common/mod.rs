@@ -6,7 +6,7 @@ use idem_postgres::{PgBackend, PgConfig};
 
 /// The test server's URL, or a failure naming the command that starts it.
 pub fn url() -> String {
-    conformance::service_env("IDEM_POSTGRES_URL")
+    idem_conformance::service_env("IDEM_POSTGRES_URL")
 }
 
 /// A fresh schema name, unique to this process and call.

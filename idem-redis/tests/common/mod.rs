@@ -7,7 +7,7 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use conformance::service_env;
+use idem_conformance::service_env;
 use idem_core::{Claim, Fingerprint, Key};
 use idem_redis::{RedisBackend, RedisConfig};
 
@@ -59,7 +59,7 @@ pub fn claim(key: &Key, owner: &str) -> Claim {
 
 /// Claims by "w" of `n` fresh keys of one new namespace.
 pub fn fresh_batch(n: usize) -> Vec<Claim> {
-    let ns = conformance::unique_namespace();
+    let ns = idem_conformance::unique_namespace();
     (0..n)
         .map(|i| claim(&Key::new(ns.clone(), format!("k{i}")).expect("key"), "w"))
         .collect()

@@ -214,7 +214,7 @@ pub trait Remote: Factory {
 /// needs `tokio` with the `macros` and `rt-multi-thread` features as a dev-dependency.
 ///
 /// ```
-/// use conformance::{Factory, Fixture};
+/// use idem_conformance::{Factory, Fixture};
 /// use idem_core::clock::ManualClock;
 /// use idem_core::{MemoryBackend, Timestamp};
 ///
@@ -229,7 +229,7 @@ pub trait Remote: Factory {
 /// }
 ///
 /// mod memory {
-///     conformance::suite!(super::Memory);
+///     idem_conformance::suite!(super::Memory);
 /// }
 /// # fn main() {}
 /// ```

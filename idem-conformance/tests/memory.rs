@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use conformance::{Factory, Fixture, in_every_layer};
+use idem_conformance::{Factory, Fixture, in_every_layer};
 use idem_core::clock::ManualClock;
 use idem_core::{Backend, MemoryBackend, Timestamp};
 
@@ -43,7 +43,7 @@ impl Factory for Dyn {
     }
 }
 
-/// The backend in every layer (`conformance::in_every_layer`).
+/// The backend in every layer (`idem_conformance::in_every_layer`).
 struct Layers;
 
 impl Factory for Layers {
@@ -63,13 +63,13 @@ impl Factory for Layers {
 }
 
 mod layers {
-    conformance::suite!(super::Layers);
+    idem_conformance::suite!(super::Layers);
 }
 
 mod direct {
-    conformance::suite!(super::Memory);
+    idem_conformance::suite!(super::Memory);
 }
 
 mod dynamic {
-    conformance::suite!(super::Dyn);
+    idem_conformance::suite!(super::Dyn);
 }
