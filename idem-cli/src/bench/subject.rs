@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_once::driver::{Options, RAW_RETENTION, RawWrite, Store};
 use idem_core::Backend;
 use idem_core::layer::Coalesce;
+use idem_once::driver::{Options, RAW_RETENTION, RawWrite, Store};
 
 use crate::error::{Result, StoreContext};
 use crate::target::Target;
