@@ -139,8 +139,18 @@ pub(crate) struct Settings {
     pub probe: Option<Arc<dyn Probe>>,
 }
 
-/// Builds an [`IdemConsumer`]. Required: topics, an engine and a handler; the group comes
-/// from [`ConsumerBuilder::group`] or the config's `group.id`.
+/// Builds an [`IdemConsumer`]. Required: topics, a group ([`ConsumerBuilder::group`] or
+/// the config's `group.id`), and either a [`handler`](ConsumerBuilder::handler) and an
+/// [`engine`](ConsumerBuilder::engine) (lease mode) or a
+/// [`transactional`](ConsumerBuilder::transactional) handler, for which the engine is
+/// optional.
+///
+/// Of the client config it is given: `enable.auto.commit` and `enable.auto.offset.store`
+/// are set to `false` (`true` is an error); unless the config sets them,
+/// `fetch.queue.backoff.ms` is 10 and `auto.offset.reset` is `earliest`, so a group with no
+/// committed offset starts at the oldest message (librdkafka's own default, `latest`,
+/// skips what was produced before the group first joined); librdkafka's log level is
+/// raised to at least warnings.
 pub struct ConsumerBuilder {
     config: ClientConfig,
     producer_config: Option<ClientConfig>,
@@ -245,12 +255,24 @@ impl ConsumerBuilder {
 
     /// Transactional mode over `store` (PostgreSQL's `PgBackend`, or any
     /// [`Transactional`](idem_core::Transactional) store), instead of
-    /// [`ConsumerBuilder::handler`]: each message's claim commits first on its own
-    /// (counting the attempt), then `handler` runs in an open transaction with the lease,
-    /// and its writes, the `Completed` record and the offset commit together. On
-    /// assignment the consumer seeks to the offsets stored there. The engine, if set, gives
-    /// the owner, lease, attempts and retention; by default one over `store` with the
-    /// engine's defaults.
+    /// [`ConsumerBuilder::handler`]: `handler` runs with the lease inside a transaction of
+    /// the store, and its writes, the `Completed` record and the offset commit together.
+    ///
+    /// With [`in_flight`](Self::in_flight) at 1 (the default) a chunk's run of keyed
+    /// messages is one transaction: their claims commit first, together in one claim call
+    /// (so a rollback cannot erase the attempts, and a crash loop stays bounded by
+    /// `max_attempts`); then the handlers run in offset order in one transaction, with no
+    /// savepoints; then one statement writes their `Completed` records and stores the
+    /// offset past the settled prefix, and it all commits once. If a handler fails, the
+    /// run is redone with a savepoint per handler, so a failure rolls back only its own
+    /// writes (a handler may run more than once; only the run that commits counts), and a
+    /// message the run left unsettled is then resolved on its own, in order. A store error
+    /// or a crash rolls the whole run back; its keys wait for their leases to lapse. With
+    /// `in_flight` above one each message has a transaction of its own (see there).
+    ///
+    /// On assignment the consumer seeks to the offsets stored there. The engine, if set,
+    /// gives the owner, lease, attempts and retention; by default one over `store` with
+    /// the engine's defaults.
     pub fn transactional<S, F>(mut self, store: S, handler: F) -> Self
     where
         S: idem_core::Transactional + 'static,
@@ -329,7 +351,8 @@ impl ConsumerBuilder {
     /// `fetch.wait.max.ms`, 500 ms by default): measured on MockCluster, a buffer of 4 moved
     /// a partition about 4 messages per half second. Large messages are bounded by
     /// [`max_buffered_bytes`](Self::max_buffered_bytes) instead. A stalled partition is
-    /// paused at once whatever this says.
+    /// paused at once whatever this says. A value below
+    /// [`batch_size`](Self::batch_size) is raised to it.
     pub fn max_buffered(mut self, n: usize) -> Self {
         self.buffer = Some(n);
         self
@@ -444,11 +467,16 @@ impl ConsumerBuilder {
         if config.get("fetch.queue.backoff.ms").is_none() {
             config.set("fetch.queue.backoff.ms", "10");
         }
+        // A group with no committed offset starts at the oldest message, not the newest:
+        // librdkafka's default (`latest`) skips what was produced before the first join.
+        if config.get("auto.offset.reset").is_none() {
+            config.set("auto.offset.reset", "earliest");
+        }
         // librdkafka's warnings (a failed asynchronous commit is reported only as one) reach
         // `tracing` only if its log level lets them out; rdkafka takes that level from the
         // `log` crate's, which is errors only where no `log` logger is installed. A level
         // set below warnings on the config given is raised too: the commit-error counter
-        // needs it (README, "Observability").
+        // needs it (README, "What it promises", Observability).
         if (config.log_level as u8) < RDKafkaLogLevel::Warning as u8 {
             config.set_log_level(RDKafkaLogLevel::Warning);
         }
@@ -659,6 +687,7 @@ mod tests {
             Some("false")
         );
         assert_eq!(s.consumer_config.get("fetch.queue.backoff.ms"), Some("10"));
+        assert_eq!(s.consumer_config.get("auto.offset.reset"), Some("earliest"));
         assert!(
             s.consumer_config.log_level as u8 >= RDKafkaLogLevel::Warning as u8
                 && s.producer_config.log_level as u8 >= RDKafkaLogLevel::Warning as u8,
@@ -684,7 +713,8 @@ mod tests {
         let mut config = ClientConfig::new();
         config
             .set("group.id", "from-config")
-            .set("fetch.queue.backoff.ms", "500");
+            .set("fetch.queue.backoff.ms", "500")
+            .set("auto.offset.reset", "latest");
         let c = ConsumerBuilder::new(config)
             .topics(["t"])
             .namespace("ns")
@@ -696,6 +726,7 @@ mod tests {
         assert_eq!(s.group, "from-config");
         assert_eq!(s.namespace, "ns");
         assert_eq!(s.consumer_config.get("fetch.queue.backoff.ms"), Some("500"));
+        assert_eq!(s.consumer_config.get("auto.offset.reset"), Some("latest"));
     }
 
     #[test]

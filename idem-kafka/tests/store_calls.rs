@@ -71,7 +71,9 @@ async fn a_batch_of_fresh_keys_costs_one_claim_and_one_settle_and_a_batch_of_dup
         fresh, expected,
         "each batch of fresh keys: one claim_many, then one settle_many of the same size"
     );
-    assert!(claims.len() < n / 2, "messages were batched: {claims:?}");
+    // How fetches split the messages is the broker's; that a claim ever covers more than
+    // one message is idem's (all were produced before the consumer started).
+    assert!(claims.len() < n, "messages were batched: {claims:?}");
 
     // The same messages in another group, same namespace: every one a duplicate.
     let again = consume(&brokers, &topic, &store, n).await;

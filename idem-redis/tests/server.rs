@@ -176,7 +176,13 @@ async fn reconnects_after_the_server_restarts() {
         let started = Instant::now();
         let res = backend.claim(&claim(&key("down"), "w")).await;
         assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
-        assert!(started.elapsed() < limit + Duration::from_millis(400));
+        // Bounded by the timeout, not by the reconnect (10 s): the margin is for a loaded
+        // machine's scheduling, not for the server.
+        assert!(
+            started.elapsed() < limit + Duration::from_secs(2),
+            "a call to a stopped server took {:?}",
+            started.elapsed()
+        );
     }
     server.restart().await;
     // The manager reconnects in the background after a failure; a few calls may still
