@@ -145,6 +145,27 @@ pub fn service_env(var: &str) -> String {
     }
 }
 
+/// How long one case may run before [`bounded`] fails it: `IDEM_CONFORMANCE_CASE_SECS`
+/// seconds, 600 by default (a real server's slowest case, the model agreement at a high
+/// `PROPTEST_CASES`, takes minutes).
+pub fn case_limit() -> Duration {
+    std::env::var("IDEM_CONFORMANCE_CASE_SECS")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .map_or(Duration::from_secs(600), Duration::from_secs)
+}
+
+/// Runs the case `name` to its end, or panics once it has run for [`case_limit`]: a
+/// backend that breaks the contract can leave a case waiting forever (a waiter never
+/// woken, a lease that never lapses), and the suite must fail it, not hang. [`suite!`]
+/// wraps every case in it.
+pub async fn bounded<F: Future<Output = ()>>(name: &str, case: F) {
+    let limit = case_limit();
+    if tokio::time::timeout(limit, case).await.is_err() {
+        panic!("{name}: still running after {limit:?} (IDEM_CONFORMANCE_CASE_SECS)");
+    }
+}
+
 /// A namespace unique to this process and call.
 pub fn unique_namespace() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -272,7 +293,7 @@ macro_rules! suite {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $case() {
-                $crate::cases::$case(&$factory).await;
+                $crate::bounded(stringify!($case), $crate::cases::$case(&$factory)).await;
             }
         )*
     };
