@@ -5,7 +5,7 @@
 -- no row when the key exists: the caller then reads it (claim_read.sql), and runs
 -- claim.sql only if the claim could take it. For one key claim.sql costs about twice this
 -- insert on the server even when the key is new (its other parts start up empty); the
--- insert of an existing key writes nothing (README, "A fresh key's claim").
+-- insert of an existing key writes nothing (docs/performance.md, "a fresh key's claim").
 INSERT INTO {schema}.idem_records AS r
     (namespace, id, state, owner, token, attempts, max_attempts, claim_kind, lease_until,
      fingerprint, response, error, permanent, expires_at, updated_at)

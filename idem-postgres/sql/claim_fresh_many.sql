@@ -5,7 +5,7 @@
 -- fingerprint (bytea or null), $6 max attempts, $7 retention (ms). The keys that did not
 -- come back existed: claim.sql then claims them (PgBackend::claim_with). A fresh key costs
 -- this insert alone, and its answer two narrow columns instead of a whole record
--- (README, "A fresh key's claim").
+-- (docs/performance.md, "a fresh key's claim").
 INSERT INTO {schema}.idem_records AS r
     (namespace, id, state, owner, token, attempts, max_attempts, claim_kind, lease_until,
      fingerprint, response, error, permanent, expires_at, updated_at)
