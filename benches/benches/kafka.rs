@@ -489,8 +489,20 @@ fn ledger_row<'t>(
     .boxed()
 }
 
-/// Rates (messages per second) of each loop on each broker, for the summary.
-static RATES: Mutex<Vec<(String, &'static str, f64)>> = Mutex::new(Vec::new());
+/// One iteration of a loop, for the summary.
+struct Rate {
+    /// `mockcluster` or `tansu`.
+    broker: String,
+    /// The loop.
+    which: &'static str,
+    /// Messages the iteration counted.
+    n: usize,
+    /// Messages per second.
+    rate: f64,
+}
+
+/// Every iteration of each loop on each broker, for the summary.
+static RATES: Mutex<Vec<Rate>> = Mutex::new(Vec::new());
 
 /// Runs `run` `iters` times, each after `reset` (not timed), noting each rate, and returns
 /// the total time measured.
@@ -511,10 +523,12 @@ where
             reset.reset().await;
             let took = run().await;
             let rate = n as f64 / took.as_secs_f64().max(1e-9);
-            RATES
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((broker.to_owned(), which, rate));
+            RATES.lock().unwrap_or_else(|e| e.into_inner()).push(Rate {
+                broker: broker.to_owned(),
+                which,
+                n,
+                rate,
+            });
             total += took;
         }
         total
@@ -731,54 +745,202 @@ fn on_broker(
     g.finish();
 }
 
-/// Prints each broker's medians and the ratios the issue asks for.
+/// The summary's loops, in order: what each is, in a few words.
+const LOOPS: [(&str, &str); 11] = [
+    ("bare", "rdkafka loop, no deduplication"),
+    ("dedup_memory", "by hand: HashMap insert, then the result"),
+    (
+        "dedup_redis",
+        "by hand: Redis `SET NX PX`, then `SET PX`, per poll batch",
+    ),
+    (
+        "dedup_postgres",
+        "by hand: PostgreSQL `INSERT … ON CONFLICT DO NOTHING`, then `UPDATE`, per poll batch",
+    ),
+    ("idem_memory", "idem, in-memory store"),
+    ("idem_redis", "idem, Redis"),
+    ("idem_postgres", "idem, PostgreSQL (lease mode)"),
+    (
+        "tx_postgres",
+        "by hand: one PostgreSQL transaction per poll batch, rows and offsets",
+    ),
+    ("tx_postgres_records", "`tx_postgres` and a record per key"),
+    (
+        "idem_postgres_transactional",
+        "idem, PostgreSQL transactional mode",
+    ),
+    (
+        "idem_postgres_one_per_tx",
+        "idem, transactional, one message per transaction",
+    ),
+];
+
+/// The summary's ratios: a loop over its ceiling.
+const RATIOS: [(&str, &str); 10] = [
+    ("idem_memory", "dedup_memory"),
+    ("idem_redis", "dedup_redis"),
+    ("idem_postgres", "dedup_postgres"),
+    ("idem_memory", "bare"),
+    ("idem_redis", "bare"),
+    ("idem_postgres", "bare"),
+    ("dedup_memory", "bare"),
+    ("tx_postgres_records", "tx_postgres"),
+    ("idem_postgres_transactional", "tx_postgres"),
+    ("idem_postgres_one_per_tx", "tx_postgres"),
+];
+
+/// Prints one Markdown table of every loop's median on each broker (MockCluster, tansu)
+/// and the ratios of idem to its ceilings, after a line saying how, when, where and on
+/// what it was measured: ready to paste into a README.
 fn summary() {
-    let rates = RATES.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let mut brokers: Vec<&String> = rates.iter().map(|(b, ..)| b).collect();
-    brokers.dedup();
-    for broker in brokers {
-        let of = |which: &str| {
-            median(
-                rates
-                    .iter()
-                    .filter(|(b, w, _)| b == broker && *w == which)
-                    .map(|(.., r)| *r)
-                    .collect(),
-            )
-        };
-        println!("\nkafka loop on {broker} (medians, messages/s):");
-        println!("| loop | msg/s | ÷ its ceiling |");
-        println!("|---|---|---|");
-        let rows: [(&str, &[&str]); 11] = [
-            ("bare", &[]),
-            ("dedup_memory", &["bare"]),
-            ("idem_memory", &["bare", "dedup_memory"]),
-            ("dedup_redis", &[]),
-            ("idem_redis", &["dedup_redis"]),
-            ("dedup_postgres", &[]),
-            ("idem_postgres", &["dedup_postgres"]),
-            ("tx_postgres", &[]),
-            ("tx_postgres_records", &["tx_postgres"]),
-            ("idem_postgres_transactional", &["tx_postgres"]),
-            ("idem_postgres_one_per_tx", &["tx_postgres"]),
-        ];
-        for (which, ceilings) in rows {
-            let rate = of(which);
-            if rate == 0.0 {
-                continue;
-            }
-            let ratios: Vec<String> = ceilings
+    let rates = RATES.lock().unwrap_or_else(|e| e.into_inner());
+    if rates.is_empty() {
+        return;
+    }
+    let brokers = [("mockcluster", "MockCluster"), ("tansu", "tansu")];
+    let brokers: Vec<_> = brokers
+        .into_iter()
+        .filter(|(b, _)| rates.iter().any(|r| r.broker == *b))
+        .collect();
+    let of = |broker: &str, which: &str| {
+        median(
+            rates
                 .iter()
-                .map(|c| format!("{:.2} × {c}", rate / of(c).max(1e-9)))
-                .collect();
-            let ratio = if ratios.is_empty() {
-                "-".to_owned()
-            } else {
-                ratios.join(", ")
-            };
-            println!("| {which} | {rate:.0} | {ratio} |");
+                .filter(|r| r.broker == broker && r.which == which)
+                .map(|r| r.rate)
+                .collect(),
+        )
+    };
+    let cells = |value: &dyn Fn(&str) -> Option<String>| -> String {
+        brokers
+            .iter()
+            .map(|(b, _)| value(b).unwrap_or_else(|| "–".into()))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    };
+    println!("\n{}\n", provenance());
+    let header: Vec<String> = brokers
+        .iter()
+        .map(|(_, name)| format!("{name} msg/s"))
+        .collect();
+    println!("| loop | what | {} |", header.join(" | "));
+    println!("|:---|:---|{}|", vec!["---:"; brokers.len()].join("|"));
+    for (which, what) in LOOPS {
+        if brokers.iter().all(|(b, _)| of(b, which) == 0.0) {
+            continue;
+        }
+        let rate = |b: &str| {
+            Some(of(b, which))
+                .filter(|r| *r > 0.0)
+                .map(|r| format!("{r:.0}"))
+        };
+        println!("| `{which}` | {what} | {} |", cells(&rate));
+    }
+    for (which, ceiling) in RATIOS {
+        let ratio = |b: &str| {
+            let (a, c) = (of(b, which), of(b, ceiling));
+            (a > 0.0 && c > 0.0).then(|| format!("{:.2}", a / c))
+        };
+        if brokers.iter().all(|(b, _)| ratio(b).is_none()) {
+            continue;
+        }
+        let what = if ceiling == "bare" {
+            "over the loop with no deduplication"
+        } else {
+            "over the same store by hand"
+        };
+        println!("| `{which}` ÷ `{ceiling}` | {what} | {} |", cells(&ratio));
+    }
+    let mut sizes: Vec<(usize, Vec<&str>)> = Vec::new();
+    for (which, _) in LOOPS {
+        if let Some(n) = rates.iter().find(|r| r.which == which).map(|r| r.n) {
+            match sizes.iter_mut().find(|(m, _)| *m == n) {
+                Some((_, loops)) => loops.push(which),
+                None => sizes.push((n, vec![which])),
+            }
         }
     }
+    let sizes: Vec<String> = sizes
+        .iter()
+        .map(|(n, loops)| format!("{n} for {}", loops.join(", ")))
+        .collect();
+    let counts: Vec<usize> = brokers
+        .iter()
+        .flat_map(|(b, _)| LOOPS.iter().map(move |(w, _)| (*b, *w)))
+        .map(|(b, w)| {
+            rates
+                .iter()
+                .filter(|r| r.broker == b && r.which == w)
+                .count()
+        })
+        .filter(|&k| k > 0)
+        .collect();
+    let (fewest, most) = (
+        counts.iter().min().copied().unwrap_or(0),
+        counts.iter().max().copied().unwrap_or(0),
+    );
+    let iterations = if fewest == most {
+        format!("{most}")
+    } else {
+        format!("{fewest}–{most}")
+    };
+    println!(
+        "\nmsg/s: the median of each loop's iterations ({iterations} each); an iteration reads n \
+         messages with a fresh consumer group, from the first message to the n-th handled \
+         (n = {}). {} partitions, poll batches of up to {BATCH}, offsets committed every {:?}.",
+        sizes.join("; "),
+        PARTITIONS,
+        COMMIT_EVERY,
+    );
+}
+
+/// The line above the summary: the command, the date, the commit and the cores.
+fn provenance() -> String {
+    // Cargo runs the bench binary with `--bench` and then what followed `--`.
+    let rest: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let mut command = "cargo bench -p benches --bench kafka".to_owned();
+    if !rest.is_empty() {
+        command = format!("{command} -- {}", rest.join(" "));
+    }
+    let brokers = match std::env::var("IDEM_KAFKA_BROKERS") {
+        Ok(b) if !b.trim().is_empty() => "MockCluster and tansu at IDEM_KAFKA_BROKERS",
+        _ => "MockCluster only, IDEM_KAFKA_BROKERS unset",
+    };
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    format!(
+        "`{command}` on {}, commit `{commit}`, {cores} cores ({brokers}; release build)",
+        today()
+    )
+}
+
+/// Today's date, UTC, `YYYY-MM-DD` (the civil calendar from days since 1970, after Howard
+/// Hinnant's `civil_from_days`).
+fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let z = i64::try_from(secs / 86_400).unwrap_or(0) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
 }
 
 fn kafka(c: &mut Criterion) {

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 /// idem: effectively-once processing for Kafka consumers.
 ///
 /// Backends are named by URL: memory:, redis://host:port/db, postgres://user@host/db
-/// (?schema=name), dynamodb://<table>?endpoint=http://host:port&region=name.
+/// (?schema=name), dynamodb://TABLE?endpoint=http://host:port&region=name.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, propagate_version = true)]
 pub struct Cli {
@@ -23,8 +23,8 @@ pub enum Command {
     /// Play the Kafka failure scenario with a naive consumer and an idem consumer, side by
     /// side, on an in-process broker (no services needed).
     Demo(DemoArgs),
-    /// Compare backends: claim+complete and replay throughput and latency, against each
-    /// store's raw write measured in the same run.
+    /// Compare backends: what idem's claim+complete costs over the same two writes done by
+    /// hand on each store, and over one raw write, measured in the same run; and replays.
     Bench(BenchArgs),
     /// Show one record.
     Inspect(InspectArgs),
@@ -186,6 +186,11 @@ pub struct BenchArgs {
     /// while one is in flight joined into batch calls), as a row `<kind>+coalesce`.
     #[arg(long)]
     pub coalesce: bool,
+    /// Print the results as one Markdown table, after a line with the command, the date,
+    /// the git commit and the core count, instead of the terminal table (bench.md in
+    /// --out has it either way).
+    #[arg(long)]
+    pub markdown: bool,
 }
 
 /// `idem demo`.

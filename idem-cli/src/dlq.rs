@@ -56,12 +56,12 @@ fn reason_text(r: ReasonArg) -> String {
 }
 
 fn selection(args: &LetterArgs) -> Result<Selection> {
-    if let (Some(from), Some(to)) = (args.from_offset, args.to_offset) {
-        if from > to {
-            return Err(Error::Refused(format!(
-                "--from-offset {from} is after --to-offset {to}: nothing to select"
-            )));
-        }
+    if let (Some(from), Some(to)) = (args.from_offset, args.to_offset)
+        && from > to
+    {
+        return Err(Error::Refused(format!(
+            "--from-offset {from} is after --to-offset {to}: nothing to select"
+        )));
     }
     Ok(Selection {
         partitions: args.partition.clone(),

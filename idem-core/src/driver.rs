@@ -1,9 +1,10 @@
 //! Backends that describe themselves. Each backend crate exports one [`Driver`]: the URL
 //! schemes it answers to, how to connect from a URL, what to create in the store, the
-//! store's raw write-if-absent (the floor benches measure idem against), and how a test or
-//! a bench gets a place of its own. The `idem` facade registers the drivers compiled in
-//! (`idem_once::drivers()`, `idem_once::open(url)`); the CLI and the benches iterate them, so adding a
-//! backend is its crate, a facade feature and one registration line.
+//! store's raw writes (the write-if-absent and the overwrite that benches measure idem
+//! against), and how a test or a bench gets a place of its own. The `idem` facade registers
+//! the drivers compiled in (`idem_once::drivers()`, `idem_once::open(url)`); the CLI and the
+//! benches iterate them, so adding a backend is its crate, a facade feature and one
+//! registration line.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -93,8 +94,8 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// Creates what the store needs (tables, a schema) if it is missing; says what it did.
     async fn migrate(&self) -> Result<String>;
 
-    /// The store's own write-if-absent through the same client, creating what it needs:
-    /// the baseline a bench measures idem against.
+    /// The store's own writes through the same client, creating what they need: the
+    /// baselines a bench measures idem against.
     async fn raw(&self) -> Result<Arc<dyn RawWrite>>;
 
     /// Removes the place [`Options::isolate`] made (and what the raw baseline wrote
@@ -102,16 +103,28 @@ pub trait Store: Send + Sync + fmt::Debug {
     async fn close(self: Box<Self>) -> Result<()>;
 }
 
-/// A store's plain conditional write, with no state machine around it.
+/// A store's plain writes, with no state machine around them: what a bench measures idem
+/// against. [`RawWrite::insert`] alone is the single raw write, the floor of any scheme
+/// that records keys; [`RawWrite::insert`] then [`RawWrite::settle`] of the same keys is
+/// idem's claim and complete written by hand (no leases, tokens, fencing or attempts).
 #[async_trait]
 pub trait RawWrite: Send + Sync {
-    /// What it is, for reports: `SET NX PX`, `INSERT … ON CONFLICT DO NOTHING`.
+    /// What [`RawWrite::insert`] is, for reports: `SET NX PX`, `INSERT … ON CONFLICT DO
+    /// NOTHING`.
     fn name(&self) -> &'static str;
+
+    /// What [`RawWrite::settle`] is, for reports: `SET PX`, `UPDATE`.
+    fn settle_name(&self) -> &'static str;
 
     /// Writes each of `keys` with `value` where absent, in one round trip where the store
     /// can; a key already present is not an error. Kept for [`RAW_RETENTION`] where the
     /// store expires keys.
     async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()>;
+
+    /// Writes `value` over each of `keys`, which [`RawWrite::insert`] wrote (the response
+    /// stored over the claim), in one round trip where the store can, with no condition.
+    /// Kept for [`RAW_RETENTION`] from now where the store expires keys.
+    async fn settle(&self, keys: &[String], value: &Bytes) -> Result<()>;
 }
 
 /// The environment variable `var`, or [`Error::Config`] naming it and the command that
@@ -248,7 +261,7 @@ impl Store for MemoryStore {
     }
 }
 
-/// The memory baseline: a plain map insert under one lock.
+/// The memory baseline: a plain map insert, or overwrite, under one lock.
 #[derive(Default)]
 struct MapInsert {
     map: Mutex<std::collections::HashMap<String, Bytes>>,
@@ -259,10 +272,25 @@ impl RawWrite for MapInsert {
     fn name(&self) -> &'static str {
         "HashMap insert"
     }
+    fn settle_name(&self) -> &'static str {
+        "HashMap overwrite"
+    }
     async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         for k in keys {
             map.entry(k.clone()).or_insert_with(|| value.clone());
+        }
+        Ok(())
+    }
+    async fn settle(&self, keys: &[String], value: &Bytes) -> Result<()> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        for k in keys {
+            match map.get_mut(k) {
+                Some(slot) => *slot = value.clone(),
+                None => {
+                    map.insert(k.clone(), value.clone());
+                }
+            }
         }
         Ok(())
     }
@@ -297,6 +325,19 @@ mod tests {
         let mut url = url::Url::parse("redis://h/?prefix=p").unwrap();
         assert_eq!(take_param(&mut url, "prefix").as_deref(), Some("p"));
         assert_eq!(url.as_str(), "redis://h/");
+    }
+
+    #[tokio::test]
+    async fn the_memory_baseline_inserts_where_absent_and_settles_over() {
+        let raw = MapInsert::default();
+        let keys = ["a".to_owned(), "b".to_owned()];
+        let (first, second) = (Bytes::from_static(b"1"), Bytes::from_static(b"2"));
+        raw.insert(&keys, &first).await.unwrap();
+        raw.insert(&keys[..1], &second).await.unwrap();
+        let get = |k: &str| raw.map.lock().unwrap().get(k).cloned();
+        assert_eq!(get("a"), Some(first.clone()));
+        raw.settle(&keys, &second).await.unwrap();
+        assert_eq!((get("a"), get("b")), (Some(second.clone()), Some(second)));
     }
 
     #[test]

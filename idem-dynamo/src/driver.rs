@@ -1,5 +1,6 @@
 //! The driver: `dynamodb://` URLs for tools that know only a URL (the `idem` CLI, benches).
 
+use std::future::Future;
 use std::sync::Arc;
 
 use aws_sdk_dynamodb::error::SdkError;
@@ -171,11 +172,34 @@ impl Store for DynamoStore {
     }
 }
 
-/// A conditional `PutItem` (`attribute_not_exists(pk)`) per key through the backend's own
-/// SDK client; a batch runs its puts concurrently, at most as many at once as the backend's
-/// `claim_many` (DynamoDB has no conditional batch write outside transactions).
+/// A conditional `PutItem` (`attribute_not_exists(pk)`) per key, and an `UpdateItem` of
+/// its value and expiry over it, through the backend's own SDK client; a batch runs its
+/// writes concurrently, at most as many at once as the backend's `claim_many` and
+/// `settle_many` (DynamoDB has no conditional batch write outside transactions).
 struct PutIfAbsent {
     backend: DynamoBackend,
+}
+
+impl PutIfAbsent {
+    /// When a raw item written now expires, in epoch seconds (the TTL attribute's unit).
+    fn expires() -> String {
+        (Timestamp::now().saturating_add(RAW_RETENTION).as_millis() / 1000).to_string()
+    }
+
+    /// The item's key.
+    fn pk(key: &str) -> AttributeValue {
+        AttributeValue::S(format!("raw/{key}"))
+    }
+
+    /// Runs `writes`, at most the backend's claim parallelism at once, and returns every
+    /// answer.
+    async fn run<F: Future>(&self, writes: Vec<F>) -> Vec<F::Output> {
+        let parallelism = self.backend.config().claim_parallelism();
+        futures::stream::iter(writes)
+            .buffer_unordered(parallelism)
+            .collect()
+            .await
+    }
 }
 
 #[async_trait]
@@ -183,8 +207,11 @@ impl RawWrite for PutIfAbsent {
     fn name(&self) -> &'static str {
         "conditional PutItem"
     }
+    fn settle_name(&self) -> &'static str {
+        "UpdateItem"
+    }
     async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
-        let expires = Timestamp::now().saturating_add(RAW_RETENTION).as_millis() / 1000;
+        let expires = Self::expires();
         let client = self.backend.client();
         let table = self.backend.config().table();
         let puts: Vec<_> = keys
@@ -193,18 +220,14 @@ impl RawWrite for PutIfAbsent {
                 client
                     .put_item()
                     .table_name(table)
-                    .item(PK, AttributeValue::S(format!("raw/{k}")))
+                    .item(PK, Self::pk(k))
                     .item("v", AttributeValue::B(Blob::new(value.to_vec())))
-                    .item(TTL, AttributeValue::N(expires.to_string()))
+                    .item(TTL, AttributeValue::N(expires.clone()))
                     .condition_expression(format!("attribute_not_exists({PK})"))
                     .send()
             })
             .collect();
-        let parallelism = self.backend.config().claim_parallelism();
-        let results: Vec<_> = futures::stream::iter(puts)
-            .buffer_unordered(parallelism)
-            .collect()
-            .await;
+        let results = self.run(puts).await;
         // Like `ON CONFLICT DO NOTHING` and `SET NX`, a key already there is not an error.
         // It happens when the SDK retries a put that had in fact succeeded.
         let present = |e: &SdkError<PutItemError, _>| {
@@ -217,6 +240,31 @@ impl RawWrite for PutIfAbsent {
         {
             None => Ok(()),
             Some(e) => Err(sdk_error("conditional PutItem", value.len(), e)),
+        }
+    }
+    async fn settle(&self, keys: &[String], value: &Bytes) -> Result<()> {
+        let expires = Self::expires();
+        let client = self.backend.client();
+        let table = self.backend.config().table();
+        let updates: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                client
+                    .update_item()
+                    .table_name(table)
+                    .key(PK, Self::pk(k))
+                    .update_expression("SET #v = :v, #ttl = :ttl")
+                    .expression_attribute_names("#v", "v")
+                    .expression_attribute_names("#ttl", TTL)
+                    .expression_attribute_values(":v", AttributeValue::B(Blob::new(value.to_vec())))
+                    .expression_attribute_values(":ttl", AttributeValue::N(expires.clone()))
+                    .send()
+            })
+            .collect();
+        let results = self.run(updates).await;
+        match results.into_iter().find_map(Result::err) {
+            None => Ok(()),
+            Some(e) => Err(sdk_error("UpdateItem", value.len(), e)),
         }
     }
 }

@@ -112,12 +112,18 @@ impl Store for PgStore {
         self.execute("CREATE TABLE raw_baseline", create).await?;
         Ok(Arc::new(PgInsert {
             backend: self.backend.clone(),
-            one: format!(
-                "INSERT INTO {schema}.raw_baseline (k, v) VALUES ($1, $2) ON CONFLICT DO NOTHING"
-            ),
-            many: format!(
-                "INSERT INTO {schema}.raw_baseline (k, v) SELECT k, $2 FROM unnest($1::text[]) AS t(k) ON CONFLICT DO NOTHING"
-            ),
+            insert: Statements {
+                one: format!(
+                    "INSERT INTO {schema}.raw_baseline (k, v) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+                ),
+                many: format!(
+                    "INSERT INTO {schema}.raw_baseline (k, v) SELECT k, $2 FROM unnest($1::text[]) AS t(k) ON CONFLICT DO NOTHING"
+                ),
+            },
+            update: Statements {
+                one: format!("UPDATE {schema}.raw_baseline SET v = $2 WHERE k = $1"),
+                many: format!("UPDATE {schema}.raw_baseline SET v = $2 WHERE k = ANY($1::text[])"),
+            },
         }))
     }
     async fn close(self: Box<Self>) -> Result<()> {
@@ -129,11 +135,47 @@ impl Store for PgStore {
     }
 }
 
-/// `INSERT … ON CONFLICT DO NOTHING`: one statement per batch (`unnest` of the keys).
+/// `INSERT … ON CONFLICT DO NOTHING`, and `UPDATE … SET v` of the keys it wrote: one
+/// statement per batch (over the array of its keys).
 struct PgInsert {
     backend: PgBackend,
+    insert: Statements,
+    update: Statements,
+}
+
+/// A statement for one key (`$1` a key) and one for a batch (`$1` an array of keys); `$2`
+/// is the value.
+struct Statements {
     one: String,
     many: String,
+}
+
+impl PgInsert {
+    /// Runs `sql` over `keys` and `value`; answers how many rows it wrote.
+    async fn execute(
+        &self,
+        what: &str,
+        sql: &Statements,
+        keys: &[String],
+        value: &Bytes,
+    ) -> Result<u64> {
+        let pool = self.backend.pool();
+        let done = match keys {
+            [one] => {
+                let q = sqlx::query(sqlx::AssertSqlSafe(sql.one.as_str()))
+                    .bind(one)
+                    .bind(value.as_ref());
+                self.backend.timed(what, q.execute(pool)).await
+            }
+            many => {
+                let q = sqlx::query(sqlx::AssertSqlSafe(sql.many.as_str()))
+                    .bind(many)
+                    .bind(value.as_ref());
+                self.backend.timed(what, q.execute(pool)).await
+            }
+        };
+        done.map(|d| d.rows_affected())
+    }
 }
 
 #[async_trait]
@@ -141,26 +183,25 @@ impl RawWrite for PgInsert {
     fn name(&self) -> &'static str {
         "INSERT … ON CONFLICT DO NOTHING"
     }
+    fn settle_name(&self) -> &'static str {
+        "UPDATE"
+    }
     async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
-        let pool = self.backend.pool();
-        let done = match keys {
-            [one] => {
-                let q = sqlx::query(sqlx::AssertSqlSafe(self.one.as_str()))
-                    .bind(one)
-                    .bind(value.as_ref());
-                self.backend
-                    .timed("INSERT … ON CONFLICT", q.execute(pool))
-                    .await
-            }
-            many => {
-                let q = sqlx::query(sqlx::AssertSqlSafe(self.many.as_str()))
-                    .bind(many)
-                    .bind(value.as_ref());
-                self.backend
-                    .timed("INSERT … ON CONFLICT", q.execute(pool))
-                    .await
-            }
-        };
-        done.map(drop)
+        self.execute("INSERT … ON CONFLICT", &self.insert, keys, value)
+            .await
+            .map(drop)
+    }
+    async fn settle(&self, keys: &[String], value: &Bytes) -> Result<()> {
+        let updated = self.execute("UPDATE", &self.update, keys, value).await?;
+        // The count comes back with the answer: a key `insert` did not write is a bug of
+        // the caller (or of these statements), not a figure to report.
+        let distinct = || keys.iter().collect::<std::collections::HashSet<_>>().len();
+        if updated != keys.len() as u64 && updated != distinct() as u64 {
+            return Err(Error::corrupt(format!(
+                "raw baseline: UPDATE wrote {updated} of {} keys: settle only keys insert wrote",
+                distinct()
+            )));
+        }
+        Ok(())
     }
 }

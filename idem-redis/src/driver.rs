@@ -117,11 +117,29 @@ impl Store for RedisStore {
     }
 }
 
-/// `SET key value NX PX ms`: pipelined for a batch on one server, a call per key on a
-/// cluster (whose keys spread over nodes), through the backend's own connection.
+/// `SET key value NX PX ms`, and `SET key value PX ms` over it: pipelined for a batch on
+/// one server, a call per key on a cluster (whose keys spread over nodes), through the
+/// backend's own connection.
 struct SetNx {
     backend: RedisBackend,
     prefix: String,
+}
+
+impl SetNx {
+    /// `SET <prefix><key> value [NX] PX <retention>` for each key.
+    fn sets(&self, keys: &[String], value: &Bytes, nx: bool) -> Vec<redis::Cmd> {
+        keys.iter()
+            .map(|k| {
+                let mut cmd = redis::cmd("SET");
+                cmd.arg(format!("{}{k}", self.prefix)).arg(value.as_ref());
+                if nx {
+                    cmd.arg("NX");
+                }
+                cmd.arg("PX").arg(RAW_RETENTION.as_millis() as u64);
+                cmd
+            })
+            .collect()
+    }
 }
 
 #[async_trait]
@@ -129,31 +147,28 @@ impl RawWrite for SetNx {
     fn name(&self) -> &'static str {
         "SET NX PX"
     }
+    fn settle_name(&self) -> &'static str {
+        "SET PX"
+    }
     async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
-        let cmds = keys.iter().map(|k| {
-            let mut cmd = redis::cmd("SET");
-            cmd.arg(format!("{}{k}", self.prefix))
-                .arg(value.as_ref())
-                .arg("NX")
-                .arg("PX")
-                .arg(RAW_RETENTION.as_millis() as u64);
-            cmd
-        });
-        send_raw(&self.backend, cmds.collect()).await
+        send_raw(&self.backend, self.name(), self.sets(keys, value, true)).await
+    }
+    async fn settle(&self, keys: &[String], value: &Bytes) -> Result<()> {
+        let sets = self.sets(keys, value, false);
+        send_raw(&self.backend, self.settle_name(), sets).await
     }
 }
 
-/// Sends `cmds` as one pipeline on a single server, or concurrently on a cluster.
-async fn send_raw(backend: &RedisBackend, cmds: Vec<redis::Cmd>) -> Result<()> {
+/// Sends `cmds` (named `what` in errors and metrics) as one pipeline on a single server,
+/// or concurrently on a cluster.
+async fn send_raw(backend: &RedisBackend, what: &'static str, cmds: Vec<redis::Cmd>) -> Result<()> {
     match backend.conn.clone() {
         Conn::Single(mut c) => {
             let mut pipe = redis::pipe();
             for cmd in cmds {
                 pipe.add_command(cmd).ignore();
             }
-            backend
-                .call("SET NX PX", pipe.query_async::<()>(&mut c))
-                .await
+            backend.call(what, pipe.query_async::<()>(&mut c)).await
         }
         Conn::Cluster(c) => {
             let calls = cmds.into_iter().map(|cmd| {
@@ -161,7 +176,7 @@ async fn send_raw(backend: &RedisBackend, cmds: Vec<redis::Cmd>) -> Result<()> {
                 async move { cmd.query_async::<redis::Value>(&mut c).await }
             });
             let all = futures::future::try_join_all(calls);
-            backend.call("SET NX PX", all).await.map(drop)
+            backend.call(what, all).await.map(drop)
         }
     }
 }

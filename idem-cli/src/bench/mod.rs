@@ -1,6 +1,9 @@
-//! `idem bench`: each backend's claim+complete and replay against its store's raw write,
-//! measured in the same run through the same client, at each concurrency and batch size.
+//! `idem bench`: each backend's claim+complete against the same two writes done by hand on
+//! its store (the write-if-absent, then the response over it) and against one raw write,
+//! and its replays, measured in the same run through the same client, at each concurrency
+//! and batch size.
 
+mod markdown;
 mod measure;
 mod report;
 mod subject;
@@ -28,6 +31,12 @@ const REPLAY_KEYS: u64 = 1024;
 /// the size of a small JSON receipt.
 const RESPONSE: &[u8] = br#"{"receipt":"r-000001","amount_cents":1999,"ok":true}"#;
 
+/// What the by-hand claim writes before the response is written over it.
+const CLAIMED: &[u8] = b"processing";
+
+/// Workloads per cell: raw, by hand, claim+complete, replay.
+const WORKLOADS: usize = 4;
+
 /// Runs the bench the arguments describe and writes its report.
 pub async fn run(args: &BenchArgs) -> Result<()> {
     check(args)?;
@@ -38,7 +47,7 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let tag = format!("{}_{}", std::process::id(), fastrand::u32(..0xfffff));
     let cells_per = args.concurrency.len() * args.batch.len() * (1 + usize::from(args.coalesce));
-    let bar = progress(args.quiet, (targets.len() * cells_per * 3) as u64);
+    let bar = progress(args.quiet, (targets.len() * cells_per * WORKLOADS) as u64);
     let workers = args.concurrency.iter().copied().max().unwrap_or(1);
     let mut cells = Vec::new();
     for target in &targets {
@@ -53,10 +62,24 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
         closed?;
     }
     bar.finish_and_clear();
-    let report = Report::new(args, cells);
-    out!("{}", report.table());
-    let (json, svg) = report.write(&args.out)?;
-    out!("wrote {} and {}", json.display(), svg.display());
+    let report = Report::new(args, markdown::Provenance::here(), cells);
+    let written = report.write(&args.out)?;
+    let wrote = format!(
+        "wrote {}",
+        written
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if args.markdown {
+        // stdout is the Markdown alone, to paste as it is.
+        out!("{}", report.markdown());
+        eprintln!("{wrote}");
+    } else {
+        out!("{}", report.table());
+        out!("{wrote}");
+    }
     Ok(())
 }
 
@@ -104,7 +127,10 @@ async fn bench_one(
         for &b in &args.batch {
             let label = |w: &str| format!("{}: {w} ×{c} workers, batch {b}", subject.kind);
             bar.set_message(label("raw"));
-            let raw = raw_workload(subject, &keys, c, b, args.duration).await?;
+            let raw = baseline_workload(subject, &keys, false, (c, b, args.duration)).await?;
+            bar.inc(1);
+            bar.set_message(label("by hand"));
+            let by_hand = baseline_workload(subject, &keys, true, (c, b, args.duration)).await?;
             bar.inc(1);
             bar.set_message(label("claim+complete"));
             let claim = claim_workload(subject, &keys, c, b, args.duration).await?;
@@ -112,7 +138,13 @@ async fn bench_one(
             bar.set_message(label("replay"));
             let replay = replay_workload(subject, &done, c, b, args.duration).await?;
             bar.inc(1);
-            cells.push(Cell::new(subject, c, b, raw, claim, replay));
+            let measured = report::Measured {
+                raw,
+                by_hand,
+                claim_complete: claim,
+                replay,
+            };
+            cells.push(Cell::new(subject, c, b, measured));
         }
     }
     Ok(())
@@ -201,20 +233,30 @@ async fn claim_and_complete(backend: &Arc<dyn Backend>, claims: &[Claim]) -> Res
     Ok(())
 }
 
-async fn raw_workload(
+/// A baseline through the store's own client, each step one round trip per batch where
+/// the store can (as `claim_many` and `settle_many` are): the raw write-if-absent of fresh
+/// keys alone, or what idem's claim+complete does by hand: that write, then the response
+/// written over the same keys.
+async fn baseline_workload(
     s: &Subject,
     keys: &Arc<Keys>,
-    c: u32,
-    b: u32,
-    d: Duration,
+    by_hand: bool,
+    (c, b, d): (u32, u32, Duration),
 ) -> Result<Measure> {
     let raw = Arc::clone(&s.raw);
     let keys = Arc::clone(keys);
-    let value = Bytes::from_static(RESPONSE);
+    let first = Bytes::from_static(if by_hand { CLAIMED } else { RESPONSE });
+    let response = Bytes::from_static(RESPONSE);
     measure::run(c, d, move |_| {
-        let (raw, value, ids) = (Arc::clone(&raw), value.clone(), keys.ids(b));
+        let (raw, ids) = (Arc::clone(&raw), keys.ids(b));
+        let (first, response) = (first.clone(), response.clone());
         async move {
-            raw.insert(&ids, &value).await.store("raw baseline")?;
+            raw.insert(&ids, &first).await.store("baseline write")?;
+            if by_hand {
+                raw.settle(&ids, &response)
+                    .await
+                    .store("by-hand complete")?;
+            }
             Ok(u64::from(b))
         }
     })

@@ -1,4 +1,4 @@
-//! The bench's results: a terminal table of ratios, JSON, and an SVG plot.
+//! The bench's results: a terminal table of ratios, JSON, Markdown, and an SVG plot.
 
 use std::path::{Path, PathBuf};
 
@@ -8,6 +8,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 
+use super::markdown::Provenance;
 use super::measure::Measure;
 use super::subject::Subject;
 use crate::cli::BenchArgs;
@@ -20,52 +21,70 @@ pub struct Cell {
     pub backend: &'static str,
     /// The URL, password hidden.
     pub url: String,
-    /// What the raw baseline is.
+    /// What the raw baseline is: the store's write-if-absent.
     pub raw_operation: &'static str,
+    /// What the by-hand baseline is: the write-if-absent, then the overwrite.
+    pub by_hand_operation: String,
     /// Concurrent workers.
     pub concurrency: u32,
     /// Keys per call.
     pub batch: u32,
-    /// The store's raw conditional write.
+    /// The store's raw conditional write, once per key.
     pub raw: Measure,
+    /// idem's claim+complete done by hand: the raw write of a claim marker, then the
+    /// response written over it; one round trip per batch and step where the store can.
+    pub by_hand: Measure,
     /// Claim fresh keys, complete each.
     pub claim_complete: Measure,
     /// Claim completed keys (duplicates): the stored response comes back.
     pub replay: Measure,
+    /// `claim_complete.keys_per_sec / by_hand.keys_per_sec`: what idem costs over doing
+    /// the same writes by hand.
+    pub claim_complete_vs_by_hand: f64,
     /// `claim_complete.keys_per_sec / raw.keys_per_sec`.
     pub claim_complete_vs_raw: f64,
     /// `replay.keys_per_sec / raw.keys_per_sec`.
     pub replay_vs_raw: f64,
 }
 
+/// The four workloads of a cell.
+pub struct Measured {
+    /// See [`Cell::raw`].
+    pub raw: Measure,
+    /// See [`Cell::by_hand`].
+    pub by_hand: Measure,
+    /// See [`Cell::claim_complete`].
+    pub claim_complete: Measure,
+    /// See [`Cell::replay`].
+    pub replay: Measure,
+}
+
+/// `a / b`, or 0 when `b` is not positive.
+fn ratio(a: &Measure, b: &Measure) -> f64 {
+    if b.keys_per_sec > 0.0 {
+        a.keys_per_sec / b.keys_per_sec
+    } else {
+        0.0
+    }
+}
+
 impl Cell {
     /// A cell, with its ratios.
-    pub fn new(
-        s: &Subject,
-        concurrency: u32,
-        batch: u32,
-        raw: Measure,
-        claim_complete: Measure,
-        replay: Measure,
-    ) -> Self {
-        let ratio = |m: &Measure| {
-            if raw.keys_per_sec > 0.0 {
-                m.keys_per_sec / raw.keys_per_sec
-            } else {
-                0.0
-            }
-        };
+    pub fn new(s: &Subject, concurrency: u32, batch: u32, m: Measured) -> Self {
         Cell {
             backend: s.kind,
             url: s.shown.clone(),
             raw_operation: s.raw.name(),
+            by_hand_operation: format!("{}, then {}", s.raw.name(), s.raw.settle_name()),
             concurrency,
             batch,
-            claim_complete_vs_raw: ratio(&claim_complete),
-            replay_vs_raw: ratio(&replay),
-            raw,
-            claim_complete,
-            replay,
+            claim_complete_vs_by_hand: ratio(&m.claim_complete, &m.by_hand),
+            claim_complete_vs_raw: ratio(&m.claim_complete, &m.raw),
+            replay_vs_raw: ratio(&m.replay, &m.raw),
+            raw: m.raw,
+            by_hand: m.by_hand,
+            claim_complete: m.claim_complete,
+            replay: m.replay,
         }
     }
 }
@@ -81,45 +100,53 @@ pub struct Report {
     pub cpus: usize,
     /// How long each measurement ran, milliseconds.
     pub duration_ms: u64,
+    /// The command, the date and the commit of the run.
+    #[serde(flatten)]
+    pub provenance: Provenance,
     /// The results.
     pub cells: Vec<Cell>,
 }
 
 impl Report {
     /// The report of a run of `args`.
-    pub fn new(args: &BenchArgs, cells: Vec<Cell>) -> Self {
+    pub fn new(args: &BenchArgs, provenance: Provenance, cells: Vec<Cell>) -> Self {
         Report {
             version: env!("CARGO_PKG_VERSION"),
             release_build: !cfg!(debug_assertions),
             cpus: std::thread::available_parallelism().map_or(1, usize::from),
             duration_ms: u64::try_from(args.duration.as_millis()).unwrap_or(u64::MAX),
+            provenance,
             cells,
         }
     }
 
-    /// The results as a terminal table: throughput in keys/s and as a ratio of the raw
-    /// write, and claim+complete latency.
+    /// The results as a terminal table: throughput in keys/s, idem's as a ratio of the
+    /// by-hand and the raw baselines, claim+complete latency, and replays.
     pub fn table(&self) -> String {
         let mut t = Table::new();
         t.load_preset(UTF8_FULL_CONDENSED).set_header([
             "backend",
             "workers",
             "batch",
+            "idem keys/s",
+            "by hand keys/s",
+            "idem ÷ by hand",
             "raw keys/s",
-            "claim+complete keys/s",
-            "÷ raw",
+            "idem ÷ raw",
             "p50",
             "p99",
             "replay keys/s",
-            "÷ raw",
+            "replay ÷ raw",
         ]);
         for c in &self.cells {
             t.add_row([
                 c.backend.to_owned(),
                 c.concurrency.to_string(),
                 c.batch.to_string(),
-                rate(c.raw.keys_per_sec),
                 rate(c.claim_complete.keys_per_sec),
+                rate(c.by_hand.keys_per_sec),
+                format!("{:.2}", c.claim_complete_vs_by_hand),
+                rate(c.raw.keys_per_sec),
                 format!("{:.2}", c.claim_complete_vs_raw),
                 micros(c.claim_complete.p50_us),
                 micros(c.claim_complete.p99_us),
@@ -127,20 +154,18 @@ impl Report {
                 format!("{:.2}", c.replay_vs_raw),
             ]);
         }
-        for i in 1..10 {
+        for i in 1..12 {
             if let Some(col) = t.column_mut(i) {
                 col.set_cell_alignment(CellAlignment::Right);
             }
         }
         let mut text = t.to_string();
-        let raws = unique(
-            self.cells
-                .iter()
-                .map(|c| format!("{}: {}", c.backend, c.raw_operation)),
-        );
         text.push_str(&format!(
-            "\nraw = {} (same client, same run); p50/p99 = one claim+complete call; {} per measurement{}",
-            raws.join(", "),
+            "\nidem = claim then complete (claim_many and settle_many above batch 1); \
+             p50/p99 = one such call\nby hand = {}\nraw = {}\n\
+             same client, same run; {} per measurement{}",
+            self.by_hand_operations().join("; "),
+            self.raw_operations().join("; "),
             humantime::format_duration(std::time::Duration::from_millis(self.duration_ms)),
             if self.release_build {
                 ""
@@ -151,8 +176,26 @@ impl Report {
         text
     }
 
-    /// Writes `bench.json` and `bench.svg` into `dir`, returning their paths.
-    pub fn write(&self, dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    /// `backend: operation` of each backend's by-hand baseline, in the order measured.
+    pub fn by_hand_operations(&self) -> Vec<String> {
+        unique(
+            self.cells
+                .iter()
+                .map(|c| format!("{}: {}", c.backend, c.by_hand_operation)),
+        )
+    }
+
+    /// `backend: operation` of each backend's raw baseline, in the order measured.
+    pub fn raw_operations(&self) -> Vec<String> {
+        unique(
+            self.cells
+                .iter()
+                .map(|c| format!("{}: {}", c.backend, c.raw_operation)),
+        )
+    }
+
+    /// Writes `bench.json`, `bench.md` and `bench.svg` into `dir`, returning their paths.
+    pub fn write(&self, dir: &Path) -> Result<[PathBuf; 3]> {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
         let json = dir.join("bench.json");
@@ -160,33 +203,39 @@ impl Report {
             .map_err(|e| Error::Refused(format!("encode the report: {e}")))?;
         std::fs::write(&json, text)
             .map_err(|e| Error::io(format!("write {}", json.display()), e))?;
+        let md = dir.join("bench.md");
+        std::fs::write(&md, self.markdown())
+            .map_err(|e| Error::io(format!("write {}", md.display()), e))?;
         let svg = dir.join("bench.svg");
         let drawing = self
             .svg()
             .map_err(|e| Error::Refused(format!("draw {}: {e}", svg.display())))?;
         std::fs::write(&svg, drawing)
             .map_err(|e| Error::io(format!("write {}", svg.display()), e))?;
-        Ok((json, svg))
+        Ok([json, md, svg])
     }
 
-    /// The plot as SVG text. One column per batch size; in each, claim+complete ÷ raw
-    /// against concurrency on top (linear, 1 marked), and both rates in keys/s below (log),
-    /// idem solid and raw dashed in one colour per backend. A legend on the right names
-    /// every line; the x axes mark the measured concurrencies and nothing else.
+    /// The plot as SVG text. One column per batch size; in each, idem's claim+complete ÷
+    /// by hand (solid) and ÷ raw (dashed) against concurrency on top (linear, 1 marked), and
+    /// the three rates in keys/s below (log), idem solid, by hand dashed and raw dotted, in
+    /// one colour per backend. A legend on the right names every line; the x axes mark the
+    /// measured concurrencies and nothing else.
     fn svg(&self) -> Result<String, Box<dyn std::error::Error>> {
         let lines = self.lines();
         let batches = sorted(self.cells.iter().map(|c| c.batch));
         let axes = self.axes();
         let columns = batches.len().max(1);
         let width = COLUMN * u32::try_from(columns)?;
-        let size = (width + LEGEND, TITLE + RATIO + RATES + FOOTER);
+        let middle_height = (RATIO + RATES).max(legend_height(lines.len()));
+        let size = (width + LEGEND, TITLE + middle_height + FOOTER);
         let mut out = String::new();
         {
             let root = SVGBackend::with_string(&mut out, size).into_drawing_area();
             root.fill(&WHITE)?;
             let (title, rest) = root.split_vertically(TITLE);
             self.draw_title(&title, &batches)?;
-            let (middle, footer) = rest.split_vertically(RATIO + RATES);
+            let (middle, footer) = rest.split_vertically(middle_height);
+            // The rate charts take what height a long legend adds.
             let (charts, legend) = middle.split_horizontally(width);
             for (column, &batch) in charts.split_evenly((1, columns)).iter().zip(&batches) {
                 let (top, bottom) = column.split_vertically(RATIO);
@@ -219,6 +268,11 @@ impl Report {
                     .iter()
                     .find(|c| c.url == url && c.backend == backend)
                     .map_or("", |c| c.raw_operation),
+                by_hand_operation: self
+                    .cells
+                    .iter()
+                    .find(|c| c.url == url && c.backend == backend)
+                    .map_or("", |c| c.by_hand_operation.as_str()),
                 colour: COLOURS[i % COLOURS.len()],
             })
             .collect()
@@ -235,12 +289,18 @@ impl Report {
         let ratio = self
             .cells
             .iter()
-            .map(|c| c.claim_complete_vs_raw)
+            .flat_map(|c| [c.claim_complete_vs_by_hand, c.claim_complete_vs_raw])
             .fold(1.0, f64::max);
         let rates = self
             .cells
             .iter()
-            .flat_map(|c| [c.raw.keys_per_sec, c.claim_complete.keys_per_sec])
+            .flat_map(|c| {
+                [
+                    c.raw.keys_per_sec,
+                    c.by_hand.keys_per_sec,
+                    c.claim_complete.keys_per_sec,
+                ]
+            })
             .map(|r| r.max(1.0));
         let (lo, hi) = rates.fold((f64::MAX, 1.0_f64), |(lo, hi), r| (lo.min(r), hi.max(r)));
         let lo = lo.min(hi);
@@ -266,13 +326,13 @@ impl Report {
             more => format!("batches {}", join(more)),
         };
         area.draw(&Text::new(
-            "idem bench: claim+complete against each store's raw write",
+            "idem bench: what idem costs over doing it by hand",
             (centre, 12),
             bold(28).pos(top_centre()),
         ))?;
         area.draw(&Text::new(
             format!(
-                "fresh keys, {batch} per call, {} per measurement, {} CPUs{}",
+                "claim+complete of fresh keys, {batch} per call, {} per measurement, {} CPUs{}",
                 humantime::format_duration(std::time::Duration::from_millis(self.duration_ms)),
                 self.cpus,
                 if self.release_build {
@@ -287,7 +347,8 @@ impl Report {
         Ok(())
     }
 
-    /// claim+complete ÷ raw against concurrency, with the line where they are equal.
+    /// idem ÷ by hand (solid) and ÷ raw (dashed) against concurrency, with the line where
+    /// idem is as fast as the same writes by hand.
     fn draw_ratios(
         &self,
         area: &Area<'_>,
@@ -311,7 +372,7 @@ impl Report {
             )?;
         chart
             .configure_mesh()
-            .y_desc("idem ÷ raw (keys/s)")
+            .y_desc("idem ÷ baseline (keys/s)")
             .y_labels(axes.ratio_labels)
             .y_label_formatter(&|y| ratio_label(*y))
             .x_label_style(font(17).color(&TRANSPARENT))
@@ -330,16 +391,30 @@ impl Report {
         chart.draw_series(std::iter::once(
             EmptyElement::at((start, 1.0))
                 + Text::new(
-                    "1 = as fast as raw",
+                    "1 = as fast as by hand",
                     (6, -3),
                     font(16).pos(Pos::new(HPos::Left, VPos::Bottom)),
                 ),
         ))?;
         for line in lines {
-            let points = line.points(&self.cells, batch, |c| c.claim_complete_vs_raw);
-            chart.draw_series(LineSeries::new(points.clone(), line.colour.stroke_width(3)))?;
+            let raw = line.points(&self.cells, batch, |c| c.claim_complete_vs_raw);
+            chart.draw_series(DashedLineSeries::new(
+                raw.clone(),
+                8,
+                5,
+                line.colour.stroke_width(2),
+            ))?;
             chart.draw_series(
-                points
+                raw.into_iter()
+                    .map(|p| Circle::new(p, 3, line.colour.filled())),
+            )?;
+            let by_hand = line.points(&self.cells, batch, |c| c.claim_complete_vs_by_hand);
+            chart.draw_series(LineSeries::new(
+                by_hand.clone(),
+                line.colour.stroke_width(3),
+            ))?;
+            chart.draw_series(
+                by_hand
                     .into_iter()
                     .map(|p| Circle::new(p, 4, line.colour.filled())),
             )?;
@@ -347,7 +422,7 @@ impl Report {
         Ok(())
     }
 
-    /// idem's and raw keys/s against concurrency.
+    /// idem's, by hand and raw keys/s against concurrency.
     fn draw_rates(
         &self,
         area: &Area<'_>,
@@ -387,16 +462,21 @@ impl Report {
                 c.claim_complete.keys_per_sec.max(1.0)
             });
             let raw = line.points(&self.cells, batch, |c| c.raw.keys_per_sec.max(1.0));
-            chart.draw_series(DashedLineSeries::new(
-                raw.clone(),
-                8,
-                5,
-                line.colour.stroke_width(2),
-            ))?;
-            chart.draw_series(
-                raw.into_iter()
-                    .map(|p| Circle::new(p, 3, line.colour.filled())),
-            )?;
+            let by_hand = line.points(&self.cells, batch, |c| c.by_hand.keys_per_sec.max(1.0));
+            for (points, stroke) in [(raw, Stroke::Dotted), (by_hand, Stroke::Dashed)] {
+                let (dash, gap) = stroke.dashes();
+                chart.draw_series(DashedLineSeries::new(
+                    points.clone(),
+                    dash,
+                    gap,
+                    line.colour.stroke_width(2),
+                ))?;
+                chart.draw_series(
+                    points
+                        .into_iter()
+                        .map(|p| Circle::new(p, 3, line.colour.filled())),
+                )?;
+            }
             chart.draw_series(LineSeries::new(idem.clone(), line.colour.stroke_width(3)))?;
             chart.draw_series(
                 idem.into_iter()
@@ -410,7 +490,10 @@ impl Report {
         let notes = [
             "idem: claim then complete; above batch 1, one claim_many and one settle_many per batch."
                 .to_owned(),
-            "raw: the store's own write-if-absent, through the same client, in the same run."
+            "by hand: the same two writes with no leases or fencing: the store's write-if-absent, \
+             then the response written over it, batched alike."
+                .to_owned(),
+            "raw: the write-if-absent alone, one per key. All through one client, in one run."
                 .to_owned(),
             format!(
                 "Replays of completed keys are in the table and bench.json. idem-cli {}.",
@@ -431,11 +514,31 @@ impl Report {
 /// Pixels: a column of charts per batch size, the legend, the title, the two charts' rows
 /// and the notes under them.
 const COLUMN: u32 = 500;
-const LEGEND: u32 = 360;
+const LEGEND: u32 = 420;
 const TITLE: u32 = 80;
 const RATIO: u32 = 280;
 const RATES: u32 = 360;
-const FOOTER: u32 = 72;
+const FOOTER: u32 = 92;
+
+/// Pixels of the legend: where its rows start, an entry, and an entry's second line.
+const LEGEND_TOP: i32 = 48;
+const ENTRY: i32 = 28;
+const DETAIL: i32 = 19;
+
+/// Where the legend's second part (the rate chart's lines) starts, below the first part
+/// (one entry per line) and no higher than the rate charts.
+fn legend_rates_top(lines: usize) -> i32 {
+    let lines = i32::try_from(lines).unwrap_or(i32::MAX / 1024);
+    (RATIO as i32 + 24).max(LEGEND_TOP + ENTRY * lines + 40)
+}
+
+/// How tall the legend is for `lines` backends: three entries each in its second part, two
+/// of them with a second line.
+fn legend_height(lines: usize) -> u32 {
+    let per_line = 3 * ENTRY + 2 * DETAIL;
+    let n = i32::try_from(lines).unwrap_or(i32::MAX / 1024);
+    u32::try_from(legend_rates_top(lines) + per_line * n + 24).unwrap_or(u32::MAX)
+}
 
 /// Okabe and Ito's colour-blind safe palette without its yellow, orange and sky blue,
 /// which are too pale on white: each of these has at least 3:1 contrast against white.
@@ -460,6 +563,7 @@ struct Line<'a> {
     /// The backend, or the backend and its URL when two URLs share a backend.
     label: String,
     raw_operation: &'a str,
+    by_hand_operation: &'a str,
     colour: RGBColor,
 }
 
@@ -487,16 +591,28 @@ struct Axes {
     rates: std::ops::Range<f64>,
 }
 
-/// How a legend entry draws its line.
+/// How a line is drawn: idem solid, by hand dashed, raw dotted (on the ratio chart, idem ÷
+/// raw is dashed).
 #[derive(Clone, Copy)]
 enum Stroke {
     Solid,
     Dashed,
+    Dotted,
 }
 
-/// Names every line: top, the ratio chart's (one per backend; the line at 1 has its label
-/// on it); below,
-/// the rate chart's (idem and raw per backend).
+impl Stroke {
+    /// A dashed stroke's dash and gap, in pixels.
+    fn dashes(self) -> (u32, u32) {
+        match self {
+            Stroke::Dotted => (2, 4),
+            Stroke::Solid | Stroke::Dashed => (8, 5),
+        }
+    }
+}
+
+/// Names every line: top, the ratio chart's (one per backend, solid ÷ by hand and dashed ÷
+/// raw; the line at 1 has its label on it); below, the rate chart's (idem, by hand and raw
+/// per backend).
 fn draw_legend(area: &Area<'_>, lines: &[Line<'_>]) -> Result<(), Box<dyn std::error::Error>> {
     let entry = |label: String, detail: &str, line: &Line<'_>, stroke| Entry {
         label,
@@ -514,14 +630,16 @@ fn draw_legend(area: &Area<'_>, lines: &[Line<'_>]) -> Result<(), Box<dyn std::e
             line,
             Stroke::Solid,
         ));
+        let by_hand = format!("{} by hand", line.label);
+        bottom.push(entry(by_hand, line.by_hand_operation, line, Stroke::Dashed));
         let raw = format!("{} raw", line.label);
-        bottom.push(entry(raw, line.raw_operation, line, Stroke::Dashed));
+        bottom.push(entry(raw, line.raw_operation, line, Stroke::Dotted));
     }
     let rows = [
-        ("idem ÷ raw, per backend", 48, top),
+        ("idem ÷ by hand solid, ÷ raw dashed", LEGEND_TOP, top),
         (
-            "keys/s: idem solid, raw dashed",
-            i32::try_from(RATIO)? + 24,
+            "keys/s: idem solid, by hand dashed, raw dotted",
+            legend_rates_top(lines.len()),
             bottom,
         ),
     ];
@@ -532,22 +650,25 @@ fn draw_legend(area: &Area<'_>, lines: &[Line<'_>]) -> Result<(), Box<dyn std::e
             bold(18).pos(Pos::new(HPos::Left, VPos::Center)),
         ))?;
         for e in entries {
-            y += 28;
+            y += ENTRY;
             let ends = vec![(12, y), (52, y)];
             match e.stroke {
                 Stroke::Solid => area.draw(&PathElement::new(ends, e.colour.stroke_width(3)))?,
-                Stroke::Dashed => area.draw(&DashedPathElement::new(
-                    ends,
-                    8,
-                    5,
-                    e.colour.stroke_width(2),
-                ))?,
+                dashed @ (Stroke::Dashed | Stroke::Dotted) => {
+                    let (dash, gap) = dashed.dashes();
+                    area.draw(&DashedPathElement::new(
+                        ends,
+                        dash,
+                        gap,
+                        e.colour.stroke_width(2),
+                    ))?
+                }
             }
             area.draw(&Circle::new((32, y), 4, e.colour.filled()))?;
             let left = Pos::new(HPos::Left, VPos::Center);
             area.draw(&Text::new(e.label, (62, y), font(17).pos(left)))?;
             if !e.detail.is_empty() {
-                y += 19;
+                y += DETAIL;
                 area.draw(&Text::new(e.detail, (62, y), font(15).pos(left)))?;
             }
         }
@@ -663,7 +784,7 @@ fn trim(number: String) -> String {
 }
 
 /// The distinct items, in first-seen order.
-fn unique<T: PartialEq>(items: impl Iterator<Item = T>) -> Vec<T> {
+pub(super) fn unique<T: PartialEq>(items: impl Iterator<Item = T>) -> Vec<T> {
     let mut out = Vec::new();
     for item in items {
         if !out.contains(&item) {
@@ -673,7 +794,8 @@ fn unique<T: PartialEq>(items: impl Iterator<Item = T>) -> Vec<T> {
     out
 }
 
-fn rate(keys_per_sec: f64) -> String {
+/// A rate in keys/s: `1.23M`, `15.7k`, `950`.
+pub(super) fn rate(keys_per_sec: f64) -> String {
     if keys_per_sec >= 1e6 {
         format!("{:.2}M", keys_per_sec / 1e6)
     } else if keys_per_sec >= 1e3 {
@@ -718,29 +840,33 @@ mod tests {
         }
     }
 
-    const BACKENDS: [(&str, &str, f64); 3] = [
-        ("memory", "HashMap insert", 2e6),
-        ("redis", "SET NX PX", 40e3),
-        ("postgres", "INSERT … ON CONFLICT DO NOTHING", 8e3),
+    const BACKENDS: [(&str, &str, &str, f64); 3] = [
+        ("memory", "HashMap insert", "HashMap overwrite", 2e6),
+        ("redis", "SET NX PX", "SET PX", 40e3),
+        ("postgres", "INSERT … ON CONFLICT DO NOTHING", "UPDATE", 8e3),
     ];
 
     /// A report of three backends at 1, 4, 16 and 64 workers and each of `batches`.
     fn report(batches: &[u32]) -> Report {
         let mut cells = vec![];
-        for (backend, raw_operation, base) in BACKENDS {
+        for (backend, raw_operation, settle, base) in BACKENDS {
             for &batch in batches {
                 for (i, concurrency) in [1u32, 4, 16, 64].into_iter().enumerate() {
                     let raw = base * f64::from(concurrency).sqrt() * f64::from(batch).sqrt();
-                    let idem = raw * (0.3 + 0.1 * i as f64);
+                    let by_hand = raw * 0.5;
+                    let idem = by_hand * (0.6 + 0.1 * i as f64);
                     cells.push(Cell {
                         backend,
                         url: format!("{backend}://bench"),
                         raw_operation,
+                        by_hand_operation: format!("{raw_operation}, then {settle}"),
                         concurrency,
                         batch,
                         raw: measure(raw),
+                        by_hand: measure(by_hand),
                         claim_complete: measure(idem),
                         replay: measure(raw * 1.5),
+                        claim_complete_vs_by_hand: idem / by_hand,
                         claim_complete_vs_raw: idem / raw,
                         replay_vs_raw: 1.5,
                     });
@@ -752,6 +878,11 @@ mod tests {
             release_build: true,
             cpus: 2,
             duration_ms: 2000,
+            provenance: Provenance {
+                command: "idem bench -b memory: --markdown".into(),
+                date: "2026-01-02".into(),
+                commit: "abc1234".into(),
+            },
             cells,
         }
     }
@@ -796,16 +927,24 @@ mod tests {
     fn the_plot_labels_every_line_and_each_measured_concurrency_once() {
         let texts = texts(&report(&[1]).svg().unwrap());
         let count = |s: &str| texts.iter().filter(|t| *t == s).count();
-        for (backend, raw_operation, _) in BACKENDS {
+        for (backend, raw_operation, settle, _) in BACKENDS {
             assert_eq!(count(backend), 1, "{backend} in {texts:?}");
             assert_eq!(count(&format!("{backend} idem")), 1, "{texts:?}");
+            assert_eq!(count(&format!("{backend} by hand")), 1, "{texts:?}");
             assert_eq!(count(&format!("{backend} raw")), 1, "{texts:?}");
             assert_eq!(count(raw_operation), 1, "{raw_operation} in {texts:?}");
+            let by_hand = format!("{raw_operation}, then {settle}");
+            assert_eq!(count(&by_hand), 1, "{by_hand} in {texts:?}");
         }
         for tick in ["1", "4", "16", "64"] {
             assert_eq!(count(tick), 1, "tick {tick} in {texts:?}");
         }
-        assert_eq!(count("1 = as fast as raw"), 1, "{texts:?}");
+        assert_eq!(count("1 = as fast as by hand"), 1, "{texts:?}");
+        assert_eq!(
+            count("idem bench: what idem costs over doing it by hand"),
+            1,
+            "{texts:?}"
+        );
         assert_eq!(count("batch 1 (claim)"), 1, "{texts:?}");
         assert!(
             texts.iter().any(|t| t.contains("2s per measurement")),
@@ -826,7 +965,7 @@ mod tests {
         for tick in ["1", "4", "16", "64"] {
             assert_eq!(count(tick), 2, "tick {tick} in {texts:?}");
         }
-        for (backend, _, _) in BACKENDS {
+        for (backend, ..) in BACKENDS {
             assert_eq!(count(backend), 1, "{backend} in {texts:?}");
         }
         let empty = Report {
@@ -853,6 +992,88 @@ mod tests {
             assert!(used.contains(&(r, g, b)), "backend {i}'s colour unused");
         }
         assert!(contrast_on_white((0xF0, 0xE4, 0x42)) < 3.0, "yellow passes");
+    }
+
+    #[test]
+    fn the_legend_fits_every_backend() {
+        let height = |report: &Report| -> u32 {
+            let svg = report.svg().unwrap();
+            let at = svg.find("height=\"").unwrap() + 8;
+            svg[at..].split('"').next().unwrap().parse().unwrap()
+        };
+        let three = report(&[1]);
+        let one = Report {
+            cells: three.cells[..4].to_vec(),
+            ..three.clone()
+        };
+        assert_eq!(height(&one), TITLE + RATIO + RATES + FOOTER);
+        // Three backends' legend is taller than the charts: the plot grows to hold it.
+        assert!(legend_height(3) > RATIO + RATES);
+        assert_eq!(height(&three), TITLE + legend_height(3) + FOOTER);
+        assert!(legend_rates_top(8) >= LEGEND_TOP + 8 * ENTRY);
+    }
+
+    #[test]
+    fn the_markdown_has_its_provenance_and_a_row_per_cell() {
+        let report = report(&[1, 128]);
+        let md = report.markdown();
+        let lines: Vec<&str> = md.lines().collect();
+        assert_eq!(
+            lines[0],
+            "`idem bench -b memory: --markdown` on 2026-01-02, commit `abc1234`, 2 cores \
+             (release build, 2s per measurement, idem-cli 0.0.0)"
+        );
+        let rows: Vec<&str> = lines
+            .iter()
+            .copied()
+            .filter(|l| l.starts_with('|'))
+            .collect();
+        assert_eq!(rows.len(), 2 + report.cells.len(), "{md}");
+        assert!(rows[0].contains("| idem ÷ by hand |"), "{md}");
+        assert_eq!(rows[1].matches("---:").count(), 9, "{md}");
+        let first = &report.cells[0];
+        assert_eq!(
+            rows[2],
+            format!(
+                "| memory | 1 | 1 | {} | {} | {:.2} | {} | {:.2} | {} | 1.50 |",
+                rate(first.claim_complete.keys_per_sec),
+                rate(first.by_hand.keys_per_sec),
+                first.claim_complete_vs_by_hand,
+                rate(first.raw.keys_per_sec),
+                first.claim_complete_vs_raw,
+                rate(first.replay.keys_per_sec),
+            )
+        );
+        for row in rows.iter().filter(|r| !r.contains("---")) {
+            assert_eq!(row.matches(" | ").count(), 9, "{row}");
+        }
+        assert!(
+            md.contains("redis `SET NX PX, then SET PX`") && md.contains("redis `SET NX PX`"),
+            "{md}"
+        );
+        // Two URLs of one backend are told apart.
+        let mut two = report.clone();
+        two.cells[0].url = "memory://other".into();
+        assert!(
+            two.markdown()
+                .contains("| memory `memory://other` | 1 | 1 |")
+        );
+    }
+
+    #[test]
+    fn the_table_names_both_baselines() {
+        let table = report(&[1]).table();
+        for text in [
+            "idem keys/s",
+            "by hand keys/s",
+            "idem ÷ by hand",
+            "raw keys/s",
+            "idem ÷ raw",
+            "by hand = memory: HashMap insert, then HashMap overwrite; redis: SET NX PX, then SET PX",
+            "raw = memory: HashMap insert; redis: SET NX PX",
+        ] {
+            assert!(table.contains(text), "{text} in {table}");
+        }
     }
 
     #[test]
