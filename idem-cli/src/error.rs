@@ -87,6 +87,23 @@ impl<T> StoreContext<T> for Result<T, idem_core::Error> {
 }
 
 impl Error {
+    /// The same error, its context led by `place` (where it happened: a store and a bench
+    /// cell, say), so a run over several stores says which one failed.
+    pub fn within(self, place: &str) -> Self {
+        match self {
+            Error::Store { context, source } => Error::Store {
+                context: format!("{place}: {context}"),
+                source,
+            },
+            Error::Io { context, source } => Error::Io {
+                context: format!("{place}: {context}"),
+                source,
+            },
+            Error::Refused(why) => Error::Refused(format!("{place}: {why}")),
+            other => other,
+        }
+    }
+
     /// An [`Error::Io`].
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {

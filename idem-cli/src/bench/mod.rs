@@ -52,7 +52,9 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
     let mut cells = Vec::new();
     for target in &targets {
         bar.set_message(format!("{}: setting up", target.kind()));
-        let subject = Subject::open(target, &tag, workers).await?;
+        let subject = Subject::open(target, &tag, workers)
+            .await
+            .map_err(|e| e.within(target.kind()))?;
         let mut run = bench_one(&subject, args, &bar, &mut cells).await;
         if run.is_ok() && args.coalesce {
             run = bench_one(&subject.coalesced(), args, &bar, &mut cells).await;
@@ -122,21 +124,31 @@ async fn bench_one(
     // Each pass over a store keys its own namespace, so its fresh keys are fresh.
     let ns = format!("bench-{}-{}", std::process::id(), cells.len());
     let keys = Arc::new(Keys::new(&ns));
-    let done = prepare_replay(subject, &keys).await?;
+    let done = prepare_replay(subject, &keys)
+        .await
+        .map_err(|e| e.within(&format!("{}: preparing replays", subject.kind)))?;
     for &c in &args.concurrency {
         for &b in &args.batch {
             let label = |w: &str| format!("{}: {w} ×{c} workers, batch {b}", subject.kind);
             bar.set_message(label("raw"));
-            let raw = baseline_workload(subject, &keys, false, (c, b, args.duration)).await?;
+            let raw = baseline_workload(subject, &keys, false, (c, b, args.duration))
+                .await
+                .map_err(|e| e.within(&label("raw")))?;
             bar.inc(1);
             bar.set_message(label("by hand"));
-            let by_hand = baseline_workload(subject, &keys, true, (c, b, args.duration)).await?;
+            let by_hand = baseline_workload(subject, &keys, true, (c, b, args.duration))
+                .await
+                .map_err(|e| e.within(&label("by hand")))?;
             bar.inc(1);
             bar.set_message(label("claim+complete"));
-            let claim = claim_workload(subject, &keys, c, b, args.duration).await?;
+            let claim = claim_workload(subject, &keys, c, b, args.duration)
+                .await
+                .map_err(|e| e.within(&label("claim+complete")))?;
             bar.inc(1);
             bar.set_message(label("replay"));
-            let replay = replay_workload(subject, &done, c, b, args.duration).await?;
+            let replay = replay_workload(subject, &done, c, b, args.duration)
+                .await
+                .map_err(|e| e.within(&label("replay")))?;
             bar.inc(1);
             let measured = report::Measured {
                 raw,
