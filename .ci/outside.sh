@@ -6,7 +6,7 @@
 # conformance suite on a backend of its own; a deliberately broken copy of that backend
 # must fail the suite.
 #
-#   eval "$(scripts/services up redis kafka)"; cargo package --workspace; .ci/outside.sh
+#   eval "$(scripts/services up)"; cargo package --workspace --no-verify; .ci/outside.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 target=${CARGO_TARGET_DIR:-$root/target}
