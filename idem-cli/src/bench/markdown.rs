@@ -110,8 +110,9 @@ fn cell(text: &str) -> String {
     text.replace('|', r"\|")
 }
 
-/// The columns of the Markdown table.
-const HEADER: [&str; 10] = [
+/// The columns of the Markdown table; the terminal table adds p50 and p99 after the
+/// eighth.
+pub(super) const HEADER: [&str; 10] = [
     "backend",
     "workers",
     "batch",
