@@ -3,12 +3,11 @@
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use rdkafka::ClientConfig;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -16,14 +15,16 @@ use rdkafka::message::{BorrowedMessage, Message as _};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::{Semaphore, oneshot};
-use tokio_util::sync::CancellationToken;
 
-use crate::config::Settings;
-use crate::dlq::DeadLetters;
-use crate::handle::{BYTES, Budget, PartitionState, WorkerHandle};
-use crate::partition::Worker;
+use crate::budget::Budget;
+use crate::client::{Client, log_to_tracing};
+use crate::crash::Crash;
+use crate::dead_letter::write::Writer;
+use crate::handle::{BYTES, PartitionState, Route, WorkerHandle};
 use crate::probe::Point;
-use crate::{ConsumerBuilder, Error, Result};
+use crate::settings::{Mode, Settings};
+use crate::worker::{Ctx, Worker};
+use crate::{Error, Result};
 
 /// How long one poll of the client blocks; also how quickly the poll thread notices a
 /// shutdown.
@@ -50,12 +51,6 @@ impl std::fmt::Debug for IdemConsumer {
 }
 
 impl IdemConsumer {
-    /// Starts a builder over `config`, the rdkafka client configuration
-    /// (`bootstrap.servers` and anything else librdkafka accepts).
-    pub fn builder(config: ClientConfig) -> ConsumerBuilder {
-        ConsumerBuilder::new(config)
-    }
-
     pub(crate) fn new(settings: Settings, shutdown: Option<BoxFuture<'static, ()>>) -> Self {
         IdemConsumer { settings, shutdown }
     }
@@ -74,38 +69,39 @@ impl IdemConsumer {
     /// committed, and the client is closed without a commit.
     pub async fn run(self) -> Result<()> {
         let IdemConsumer { settings, shutdown } = self;
-        let dead_letters =
-            DeadLetters::new(&settings.producer_config, settings.dead_letter.clone())?;
+        let letters = Writer::new(&settings.dead_letter_config, settings.dead_letter.clone())?;
         let permits = settings
             .partition_concurrency
             .map(|n| Arc::new(Semaphore::new(n)));
+        let ctx = Arc::new(Ctx {
+            client: Client::default(),
+            crash: Crash::new(settings.probe.clone()),
+            letters,
+            permits,
+            settings: Arc::new(settings),
+        });
         let shared = Arc::new(Shared {
             runtime: tokio::runtime::Handle::try_current()
                 .map_err(|_| Error::Config("run() needs a Tokio runtime".into()))?,
-            dead_letters,
-            permits,
-            budget: Budget::new(settings.max_bytes),
+            budget: Budget::new(ctx.settings.max_buffered_bytes),
             workers: Mutex::new(Workers::default()),
-            consumer: OnceLock::new(),
-            dead: CancellationToken::new(),
-            gate: Mutex::new(()),
             stopping: AtomicBool::new(false),
             failure: OnceLock::new(),
-            settings,
+            ctx,
         });
-        let consumer: BaseConsumer<LoopContext> = shared
-            .settings
+        let settings = Arc::clone(&shared.ctx.settings);
+        let consumer: BaseConsumer<LoopContext> = settings
             .consumer_config
             .create_with_context(LoopContext {
                 shared: Arc::clone(&shared),
             })
             .map_err(|e| Error::kafka("creating the consumer", e))?;
-        let topics: Vec<&str> = shared.settings.topics.iter().map(String::as_str).collect();
+        let topics: Vec<&str> = settings.topics.iter().map(String::as_str).collect();
         consumer
             .subscribe(&topics)
             .map_err(|e| Error::kafka("subscribing", e))?;
         let consumer = Arc::new(consumer);
-        let _ = shared.consumer.set(Arc::downgrade(&consumer));
+        shared.ctx.client.set(&consumer);
 
         let guard = CrashOnDrop(Some(Arc::clone(&shared)));
         let (done_tx, mut done_rx) = oneshot::channel();
@@ -143,7 +139,7 @@ impl CrashOnDrop {
 impl Drop for CrashOnDrop {
     fn drop(&mut self) {
         if let Some(shared) = self.0.take() {
-            shared.crash();
+            shared.ctx.crash.crash();
             for (_, w) in shared.lock_workers().drain() {
                 w.abort();
             }
@@ -155,20 +151,14 @@ impl Drop for CrashOnDrop {
 /// keys are the consumer's own assignment, not outside data).
 type Workers = HashMap<Tp, WorkerHandle, foldhash::fast::RandomState>;
 
-/// State shared by the poll thread, the rebalance callbacks and the partition workers.
-pub(crate) struct Shared {
-    pub settings: Settings,
-    pub runtime: tokio::runtime::Handle,
-    pub dead_letters: DeadLetters,
-    pub permits: Option<Arc<Semaphore>>,
+/// State shared by the poll thread and the rebalance callbacks. The partition workers get
+/// only `ctx`.
+struct Shared {
+    ctx: Arc<Ctx>,
+    runtime: tokio::runtime::Handle,
     /// The bytes of fetched messages held, across partitions, and their bound.
-    pub budget: Arc<Budget>,
+    budget: Arc<Budget>,
     workers: Mutex<Workers>,
-    consumer: OnceLock<Weak<BaseConsumer<LoopContext>>>,
-    /// Cancelled at a crash: nothing is stored or committed after it.
-    pub dead: CancellationToken,
-    /// Held while committing and while crashing, so no commit starts after a crash.
-    gate: Mutex<()>,
     stopping: AtomicBool,
     /// Why the loop stops on its own: a partition's worker panicked.
     failure: OnceLock<String>,
@@ -179,23 +169,8 @@ impl Shared {
         self.workers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The consumer, while it exists.
-    pub fn consumer(&self) -> Option<Arc<BaseConsumer<LoopContext>>> {
-        self.consumer.get().and_then(Weak::upgrade)
-    }
-
-    /// Behaves as if the process died now.
-    pub fn crash(&self) {
-        let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-        self.dead.cancel();
-    }
-
-    /// Asks the probe, if any, about `point` for the message at `topic`/`partition`/
-    /// `offset`; says whether it answered [`Verdict::Crash`](crate::Verdict::Crash).
-    pub fn probe(&self, point: Point, topic: &str, partition: i32, offset: i64) -> bool {
-        self.settings.probe.as_ref().is_some_and(|probe| {
-            probe.reached(point, topic, partition, offset) == crate::Verdict::Crash
-        })
+    fn settings(&self) -> &Settings {
+        &self.ctx.settings
     }
 
     /// Commits the offsets stored. Every `commit_interval` whether or not any were stored
@@ -205,8 +180,9 @@ impl Shared {
     /// is counted here, except that of an asynchronous commit's request: librdkafka
     /// reports that only in its log (`COMMITFAIL`), which `LoopContext::log` counts.
     fn commit(&self, consumer: &BaseConsumer<LoopContext>, mode: CommitMode) {
-        let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-        if self.dead.is_cancelled() {
+        let crash = &self.ctx.crash;
+        let _gate = crash.gate();
+        if crash.happened() {
             return;
         }
         match consumer.commit_consumer_state(mode) {
@@ -215,7 +191,7 @@ impl Shared {
             Err(e) => {
                 // A synchronous commit's failure, or one refused before any request: no
                 // `COMMITFAIL` is logged for either.
-                crate::metrics::commit_failed(&self.settings.group);
+                crate::metrics::commit_failed(&self.settings().group);
                 tracing::warn!(error = %e, "offset commit failed; retrying at the next commit");
             }
         }
@@ -224,11 +200,12 @@ impl Shared {
     /// Asks the probe about [`Point::AfterCommit`] for each assigned partition with an
     /// offset stored (the last message it covers), once a commit was made: acknowledged
     /// if synchronous, handed to the client if not. The caller holds the gate, so a crash
-    /// here cancels `dead` directly.
+    /// here crashes without taking it again.
     fn probe_commit(&self) {
-        if self.settings.probe.is_none() {
+        let crash = &self.ctx.crash;
+        let Some(probe) = crash.probe() else {
             return;
-        }
+        };
         let states: Vec<Arc<PartitionState>> = self
             .lock_workers()
             .values()
@@ -236,19 +213,20 @@ impl Shared {
             .collect();
         for s in states {
             let last = s.stored.load(Ordering::SeqCst);
-            if last < 0 || self.dead.is_cancelled() {
+            if last < 0 || crash.happened() {
                 continue;
             }
-            if self.probe(Point::AfterCommit, &s.topic, s.partition, last) {
+            let verdict = probe.reached(Point::AfterCommit, &s.topic, s.partition, last);
+            if verdict == crate::Verdict::Crash {
                 tracing::info!(topic = %s.topic, partition = s.partition, offset = last, "probe: crash after commit");
-                self.dead.cancel();
+                crash.crash_holding_gate();
             }
         }
     }
 
     fn spawn_worker(self: &Arc<Self>, tp: Tp) -> WorkerHandle {
         let (handle, ends) = PartitionState::create(tp.0, tp.1, Arc::clone(&self.budget));
-        let worker = Worker::new(Arc::clone(self), Arc::clone(&handle.state), ends);
+        let worker = Worker::new(Arc::clone(&self.ctx), Arc::clone(&handle.state), ends);
         let shared = Arc::clone(self);
         let (topic, partition) = (Arc::clone(&handle.state.topic), handle.state.partition);
         let task = self.runtime.spawn(async move {
@@ -292,19 +270,20 @@ impl Shared {
             let mut workers = self.lock_workers();
             tps.iter().filter_map(|tp| workers.remove(tp)).collect()
         };
-        if self.dead.is_cancelled() {
+        if self.ctx.crash.happened() {
             handles.iter().for_each(WorkerHandle::abort);
             return;
         }
         for h in &handles {
             h.state.stop.cancel();
         }
-        let deadline = Instant::now() + self.settings.revoke_timeout;
+        let revoke_timeout = self.settings().revoke_timeout;
+        let deadline = Instant::now() + revoke_timeout;
         for h in &handles {
             if !h.wait_until(deadline) {
                 tracing::warn!(
                     topic = %h.state.topic, partition = h.state.partition,
-                    timeout = ?self.settings.revoke_timeout,
+                    timeout = ?revoke_timeout,
                     "handler still running at revoke: its heartbeat stops and its lease lapses"
                 );
                 h.state.abandon.cancel();
@@ -314,6 +293,16 @@ impl Shared {
             }
         }
         self.commit(consumer, CommitMode::Sync);
+    }
+
+    /// In transactional mode, sets the offsets of newly assigned partitions to those the
+    /// store keeps (see [`crate::tx::seek_to_stored`]).
+    fn seek_to_stored(&self, tpl: &mut TopicPartitionList) {
+        let settings = self.settings();
+        if let Mode::Transactional(store) = &settings.mode {
+            let backoff = crate::retry::Backoff::new(settings.retry_backoff);
+            crate::tx::seek_to_stored(&**store, &settings.group, backoff, &self.runtime, tpl);
+        }
     }
 
     fn all_partitions(&self) -> Vec<Tp> {
@@ -331,8 +320,13 @@ impl Shared {
         let handle = workers
             .entry(tp.clone())
             .or_insert_with(|| self.spawn_worker(tp.clone()));
+        let route = Route {
+            client: &self.ctx.client,
+            budget: &self.budget,
+            max_buffered: self.settings().max_buffered,
+        };
         handle
-            .send(message, self)
+            .send(message, &route)
             .then(|| Arc::clone(&handle.state))
     }
 
@@ -346,8 +340,8 @@ impl Shared {
             if state.stop.is_cancelled() {
                 return false;
             }
-            if below_half || state.held() == 0 {
-                state.set_pause(self, BYTES, false);
+            if below_half || state.held.get() == 0 {
+                state.set_pause(&self.ctx.client, BYTES, false);
                 return false;
             }
             true
@@ -366,28 +360,13 @@ impl ClientContext for LoopContext {
         // only to a commit callback set in its configuration, which rdkafka does not set,
         // and logs it instead.
         if fac == "COMMITFAIL" {
-            crate::metrics::commit_failed(&self.shared.settings.group);
+            crate::metrics::commit_failed(&self.shared.settings().group);
         }
         log_to_tracing(level, fac, message);
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
         tracing::warn!(target: "librdkafka", %error, reason, "client error");
-    }
-}
-
-/// librdkafka's log lines, as `tracing` events with target `librdkafka`.
-pub(crate) fn log_to_tracing(level: RDKafkaLogLevel, fac: &str, message: &str) {
-    match level {
-        RDKafkaLogLevel::Emerg
-        | RDKafkaLogLevel::Alert
-        | RDKafkaLogLevel::Critical
-        | RDKafkaLogLevel::Error => tracing::error!(target: "librdkafka", fac, "{message}"),
-        RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", fac, "{message}"),
-        RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
-            tracing::info!(target: "librdkafka", fac, "{message}")
-        }
-        RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", fac, "{message}"),
     }
 }
 
@@ -408,13 +387,13 @@ impl ConsumerContext for LoopContext {
         let result = match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 tracing::info!(partitions = tpl.count(), "partitions assigned");
-                crate::tx::seek_to_stored(&self.shared, tpl);
+                self.shared.seek_to_stored(tpl);
                 let r = if cooperative {
                     consumer.incremental_assign(tpl)
                 } else {
                     consumer.assign(tpl)
                 };
-                if !self.shared.dead.is_cancelled() {
+                if !self.shared.ctx.crash.happened() {
                     self.shared.assign(consumer, tpl);
                 }
                 r
@@ -459,7 +438,7 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
     // Messages routed in a row (since a poll that found none).
     let mut routed = 0u32;
     let result = loop {
-        if shared.dead.is_cancelled() {
+        if shared.ctx.crash.happened() {
             break Ok(());
         }
         if shared.stopping.load(Ordering::SeqCst) {
@@ -504,7 +483,7 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
         }
         // The clock is read after a poll that found nothing and every 64th message, not
         // after every message: a commit is late by 64 messages at most.
-        if routed % 64 == 0 && last_commit.elapsed() >= shared.settings.commit_interval {
+        if routed % 64 == 0 && last_commit.elapsed() >= shared.settings().commit_interval {
             last_commit = Instant::now();
             shared.commit(&consumer, CommitMode::Async);
         }
@@ -520,19 +499,12 @@ fn close(shared: &Shared, consumer: Arc<BaseConsumer<LoopContext>>) {
     while Arc::strong_count(&consumer) > 1 && start.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(1));
     }
-    let dead = shared.dead.is_cancelled();
-    if dead {
+    let crashed = shared.ctx.crash.happened();
+    if crashed {
         tracing::debug!("closing the consumer after a crash: no commit");
     }
     drop(consumer);
-    if let (true, Some(probe)) = (dead, &shared.settings.probe) {
+    if let (true, Some(probe)) = (crashed, shared.ctx.crash.probe()) {
         probe.closed();
     }
-}
-
-/// A one-partition list, for pause and resume calls.
-pub(crate) fn tp_list(topic: &str, partition: i32) -> TopicPartitionList {
-    let mut tpl = TopicPartitionList::with_capacity(1);
-    tpl.add_partition(topic, partition);
-    tpl
 }

@@ -6,59 +6,20 @@ use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use metrics::Gauge;
-use rdkafka::consumer::Consumer;
 use rdkafka::message::{BorrowedMessage, Message as _};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::Message;
-use crate::consumer::{Shared, tp_list};
+use crate::budget::{Budget, Held};
+use crate::client::Client;
 
 /// Pause reasons: the worker's buffer is full, the worker is stalled, or the consumer
 /// holds more bytes of fetched messages than its bound.
 pub(crate) const BACKLOG: u8 = 1;
 pub(crate) const STALL: u8 = 2;
 pub(crate) const BYTES: u8 = 4;
-
-/// The bytes of fetched messages the consumer holds (routed to a worker, and not dropped
-/// yet: waiting, running or settling), across its partitions, and their bound.
-pub(crate) struct Budget {
-    pub bound: usize,
-    held: AtomicUsize,
-}
-
-impl Budget {
-    pub fn new(bound: usize) -> Arc<Budget> {
-        Arc::new(Budget {
-            bound,
-            held: AtomicUsize::new(0),
-        })
-    }
-
-    pub fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
-    }
-}
-
-/// One message's share of the budget (payload, key and headers), given back when the
-/// message is dropped: once settled, or when its partition is given up.
-pub(crate) struct Ticket {
-    state: Arc<PartitionState>,
-    bytes: usize,
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        self.state.held.fetch_sub(self.bytes, Ordering::Relaxed);
-        self.state
-            .budget
-            .held
-            .fetch_sub(self.bytes, Ordering::Relaxed);
-        self.state.gauge.decrement(self.bytes as f64);
-    }
-}
 
 /// A partition's state shared by its worker, the poll thread and the rebalance callback.
 pub(crate) struct PartitionState {
@@ -73,34 +34,14 @@ pub(crate) struct PartitionState {
     /// after it), or -1.
     pub stored: AtomicI64,
     pause: Mutex<u8>,
-    /// Bytes of this partition's messages held, and the consumer's budget they count in.
-    held: AtomicUsize,
-    budget: Arc<Budget>,
-    gauge: Gauge,
+    /// Bytes of this partition's messages held.
+    pub held: Arc<Held>,
 }
 
 impl PartitionState {
-    /// Bytes of this partition's messages held.
-    pub fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
-    }
-
-    /// Counts `bytes` of a message of this partition; says whether the partition held
-    /// anything before it.
-    fn hold(self: &Arc<Self>, bytes: usize) -> (Ticket, bool) {
-        let before = self.held.fetch_add(bytes, Ordering::Relaxed);
-        self.budget.held.fetch_add(bytes, Ordering::Relaxed);
-        self.gauge.increment(bytes as f64);
-        let ticket = Ticket {
-            state: Arc::clone(self),
-            bytes,
-        };
-        (ticket, before > 0)
-    }
-
     /// Sets or clears one pause reason, pausing or resuming the partition in the client
     /// when the set of reasons becomes non-empty or empty.
-    pub fn set_pause(&self, shared: &Shared, reason: u8, on: bool) {
+    pub fn set_pause(&self, client: &Client, reason: u8, on: bool) {
         let mut reasons = self.pause.lock().unwrap_or_else(|e| e.into_inner());
         let before = *reasons;
         if on {
@@ -108,20 +49,8 @@ impl PartitionState {
         } else {
             *reasons &= !reason;
         }
-        if (before == 0) == (*reasons == 0) {
-            return;
-        }
-        let Some(consumer) = shared.consumer() else {
-            return;
-        };
-        let tpl = tp_list(&self.topic, self.partition);
-        let result = if *reasons != 0 {
-            consumer.pause(&tpl)
-        } else {
-            consumer.resume(&tpl)
-        };
-        if let Err(e) = result {
-            tracing::debug!(topic = %self.topic, partition = self.partition, error = %e, "pause/resume");
+        if (before == 0) != (*reasons == 0) {
+            client.pause(&self.topic, self.partition, *reasons != 0);
         }
     }
 }
@@ -159,9 +88,7 @@ impl PartitionState {
             backlog: AtomicUsize::new(0),
             stored: AtomicI64::new(-1),
             pause: Mutex::new(0),
-            held: AtomicUsize::new(0),
-            budget,
-            gauge,
+            held: Held::new(budget, gauge),
         });
         let (tx, rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = std::sync::mpsc::channel();
@@ -176,6 +103,14 @@ impl PartitionState {
     }
 }
 
+/// What [`WorkerHandle::send`] needs of the consumer.
+pub(crate) struct Route<'a> {
+    pub client: &'a Client,
+    pub budget: &'a Budget,
+    /// Messages a worker may hold before its partition is paused.
+    pub max_buffered: usize,
+}
+
 impl WorkerHandle {
     pub fn with_task(mut self, task: JoinHandle<()>) -> Self {
         self.task = Some(task);
@@ -187,14 +122,14 @@ impl WorkerHandle {
     /// already (so a partition holding nothing always gets its next message, however large).
     /// Says whether it paused the partition for bytes. A message at or below one already
     /// routed is a redelivery after a pause: dropped.
-    pub fn send(&mut self, m: &BorrowedMessage<'_>, shared: &Shared) -> bool {
+    pub fn send(&mut self, m: &BorrowedMessage<'_>, route: &Route<'_>) -> bool {
         if m.offset() <= self.last_routed {
             return false;
         }
         self.last_routed = m.offset();
         let mut held_some = false;
         let message = Message::from_borrowed(Arc::clone(&self.state.topic), m, |weight| {
-            let (ticket, some) = self.state.hold(weight);
+            let (ticket, some) = self.state.held.hold(weight);
             held_some = some;
             ticket
         });
@@ -204,11 +139,11 @@ impl WorkerHandle {
             self.state.backlog.fetch_sub(1, Ordering::Relaxed);
             return false;
         }
-        if n >= shared.settings.buffer {
-            self.state.set_pause(shared, BACKLOG, true);
+        if n >= route.max_buffered {
+            self.state.set_pause(route.client, BACKLOG, true);
         }
-        if held_some && shared.budget.held() > shared.budget.bound {
-            self.state.set_pause(shared, BYTES, true);
+        if held_some && route.budget.held() > route.budget.bound {
+            self.state.set_pause(route.client, BYTES, true);
             return true;
         }
         false

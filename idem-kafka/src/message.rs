@@ -10,7 +10,7 @@ use rdkafka::message::{
     BorrowedHeaders, BorrowedMessage, Header, Headers, Message as _, OwnedHeaders,
 };
 
-use crate::handle::Ticket;
+use crate::budget::Ticket;
 
 /// One Kafka message as the handler sees it: its idempotency key, payload, headers and
 /// position. Cheap to clone.

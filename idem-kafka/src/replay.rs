@@ -17,8 +17,9 @@ use rdkafka::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use crate::dlq::{DEAD_LETTER_HEADERS, HEADER_REPLAY_OF, LogContext, producer};
-use crate::letters::DeadLetter;
+use crate::dead_letter::read::DeadLetter;
+use crate::dead_letter::write::{LogContext, producer};
+use crate::dead_letter::{DEAD_LETTER_HEADERS, HEADER_REPLAY_OF};
 use crate::{Error, Result};
 
 /// The namespace of the records that make replays idempotent.

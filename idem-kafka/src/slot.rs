@@ -11,7 +11,7 @@ use futures::future::BoxFuture;
 use idem_core::HandlerError;
 use tracing::Instrument;
 
-use crate::config::HandlerResult;
+use crate::handler::HandlerResult;
 
 /// A handler future, running or gone.
 #[derive(Default)]
@@ -33,9 +33,10 @@ impl Slot {
 
     /// Moves a handler that is still running to a task of its own: it runs to its end, but
     /// nothing stores its result and no heartbeat extends its lease.
-    pub fn detach(&self, runtime: &tokio::runtime::Handle, span: tracing::Span) {
+    /// Called on the worker's runtime.
+    pub fn detach(&self, span: tracing::Span) {
         if let Some(fut) = self.lock().take() {
-            runtime.spawn(
+            tokio::spawn(
                 async move {
                     let _ = fut.await;
                     tracing::warn!(

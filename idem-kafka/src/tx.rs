@@ -10,7 +10,8 @@ use futures::future::BoxFuture;
 use idem_core::{Backend, Claim, Lease, OffsetPosition, Outcome, StoredOffset, Transactional};
 
 use crate::Message;
-use crate::config::HandlerResult;
+use crate::handler::HandlerResult;
+use crate::retry::Backoff;
 
 /// Asked after the claim and after the handler, with the message's offset; `true` means
 /// hang there (a crash probe).
@@ -147,29 +148,30 @@ where
     .boxed()
 }
 
-/// Sets the offsets of newly assigned partitions to those stored in the transactional
-/// store. Runs on the poll thread in the rebalance callback. If the store does not answer
-/// after a few tries, the assignment keeps Kafka's committed offsets: they are never ahead
-/// of the store's (an offset is stored in Kafka only after its transaction committed), so
-/// the worst case is a redelivery, answered by replay.
+/// Sets the offsets of newly assigned partitions to those `store` keeps for `group`. Runs
+/// on the poll thread in the rebalance callback, so it tries three times only, with
+/// `backoff` between them. If the store does not answer, the assignment keeps Kafka's
+/// committed offsets: they are never ahead of the store's (an offset is stored in Kafka only
+/// after its transaction committed), so the worst case is a redelivery, answered by replay.
 pub(crate) fn seek_to_stored(
-    shared: &crate::consumer::Shared,
+    store: &dyn TxStore,
+    group: &str,
+    mut backoff: Backoff,
+    runtime: &tokio::runtime::Handle,
     tpl: &mut rdkafka::TopicPartitionList,
 ) {
-    let crate::config::Mode::Transactional(tx) = &shared.settings.mode else {
-        return;
-    };
-    let group = shared.settings.group.as_str();
     let mut stored = None;
     for attempt in 1..=3u32 {
-        match shared.runtime.block_on(tx.stored_offsets(group)) {
+        match runtime.block_on(store.stored_offsets(group)) {
             Ok(offsets) => {
                 stored = Some(offsets);
                 break;
             }
             Err(e) => {
                 tracing::warn!(attempt, error = %e, "reading stored offsets failed");
-                std::thread::sleep(Duration::from_millis(200) * attempt);
+                if attempt < 3 {
+                    std::thread::sleep(backoff.next());
+                }
             }
         }
     }

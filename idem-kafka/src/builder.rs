@@ -1,87 +1,21 @@
-//! The builder and the settings it checks.
+//! The builder: what it takes, and the checks that make its settings.
 
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use idem_core::{Context, Engine, HandlerError, Key};
+use idem_core::{Context, Engine, Key};
 use rdkafka::ClientConfig;
 use rdkafka::config::RDKafkaLogLevel;
 use tokio::sync::Semaphore;
 
-use crate::{Error, IdemConsumer, KeySource, Message, Probe, Result};
-
-/// What a handler's future resolves to: the response bytes stored for duplicates, or a
-/// retryable or permanent [`HandlerError`].
-pub type HandlerResult = std::result::Result<Bytes, HandlerError>;
-
-pub(crate) type DynHandler =
-    Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;
-
-/// How messages are run: under a lease through the engine, or in a transaction of a
-/// [`Transactional`](idem_core::Transactional) store with the offset.
-pub(crate) enum Mode {
-    Lease(DynHandler),
-    Transactional(Arc<dyn crate::tx::TxStore>),
-}
-
-impl Mode {
-    pub fn is_transactional(&self) -> bool {
-        !matches!(self, Mode::Lease(_))
-    }
-}
-
-/// What to do with a message whose key source finds no key.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum MissingKey {
-    /// Send it to the dead-letter topic (the default).
-    #[default]
-    DeadLetter,
-    /// Run the handler without a claim: no deduplication, no lease (`Context` is `None`),
-    /// logged at `warn`. A retryable error is retried in place, up to the engine's attempts;
-    /// a permanent one, or the last retry, dead-letters it.
-    Process,
-}
-
-/// Where dead letters go.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum DeadLetterTopic {
-    /// `<topic>.dlq` for each source topic (the default).
-    #[default]
-    Suffix,
-    /// One topic for all.
-    Fixed(String),
-}
-
-impl DeadLetterTopic {
-    pub(crate) fn for_topic(&self, topic: &str) -> String {
-        match self {
-            DeadLetterTopic::Suffix => format!("{topic}.dlq"),
-            DeadLetterTopic::Fixed(t) => t.clone(),
-        }
-    }
-}
-
-/// The most messages [`ConsumerBuilder::batch_size`] takes.
-pub const MAX_BATCH_SIZE: usize = 1 << 16;
-
-/// The longest topic name Kafka accepts.
-const MAX_TOPIC_BYTES: usize = 249;
-
-/// A topic name the client can pass on: 1 to 249 bytes, no NUL (librdkafka takes names as
-/// C strings and rejects longer ones, where rdkafka panics).
-pub(crate) fn check_topic(topic: &str) -> Result<()> {
-    if topic.is_empty() || topic.len() > MAX_TOPIC_BYTES || topic.contains('\0') {
-        return Err(Error::Config(format!(
-            "topic {topic:?}: a topic name is 1 to {MAX_TOPIC_BYTES} bytes without NUL"
-        )));
-    }
-    Ok(())
-}
+use crate::consumer::IdemConsumer;
+use crate::handler::{DynHandler, HandlerResult};
+use crate::settings::{DeadLetterTopic, MAX_BATCH_SIZE, MissingKey, Mode, Settings, check_topic};
+use crate::{Error, KeySource, Message, Probe, Result};
 
 /// Consumer-only librdkafka properties left out of the dead-letter producer's
 /// configuration (which otherwise copies the consumer's).
@@ -115,30 +49,6 @@ const CONSUMER_ONLY: &[&str] = &[
     "allow.auto.create.topics",
 ];
 
-/// The checked settings of an [`IdemConsumer`].
-pub(crate) struct Settings {
-    pub consumer_config: ClientConfig,
-    pub producer_config: ClientConfig,
-    pub topics: Vec<String>,
-    pub group: String,
-    pub namespace: String,
-    pub key_source: KeySource,
-    pub engine: Engine,
-    pub mode: Mode,
-    pub dead_letter: DeadLetterTopic,
-    pub missing_key: MissingKey,
-    pub partition_concurrency: Option<usize>,
-    pub in_flight: usize,
-    pub order_by: crate::OrderBy,
-    pub batch_size: usize,
-    pub buffer: usize,
-    pub max_bytes: usize,
-    pub commit_interval: Duration,
-    pub revoke_timeout: Duration,
-    pub backoff: (Duration, Duration),
-    pub probe: Option<Arc<dyn Probe>>,
-}
-
 /// Builds an [`IdemConsumer`]. Required: topics, a group ([`ConsumerBuilder::group`] or
 /// the config's `group.id`), and either a [`handler`](ConsumerBuilder::handler) and an
 /// [`engine`](ConsumerBuilder::engine) (lease mode) or a
@@ -153,7 +63,7 @@ pub(crate) struct Settings {
 /// raised to at least warnings.
 pub struct ConsumerBuilder {
     config: ClientConfig,
-    producer_config: Option<ClientConfig>,
+    dead_letter_config: Option<ClientConfig>,
     topics: Vec<String>,
     group: Option<String>,
     namespace: Option<String>,
@@ -167,20 +77,28 @@ pub struct ConsumerBuilder {
     in_flight: usize,
     order_by: crate::OrderBy,
     batch_size: usize,
-    buffer: Option<usize>,
-    max_bytes: Option<usize>,
+    max_buffered: Option<usize>,
+    max_buffered_bytes: Option<usize>,
     commit_interval: Duration,
     revoke_timeout: Duration,
-    backoff: (Duration, Duration),
+    retry_backoff: (Duration, Duration),
     shutdown: Option<BoxFuture<'static, ()>>,
     probe: Option<Arc<dyn Probe>>,
+}
+
+impl IdemConsumer {
+    /// Starts a builder over `config`, the rdkafka client configuration
+    /// (`bootstrap.servers` and anything else librdkafka accepts).
+    pub fn builder(config: ClientConfig) -> ConsumerBuilder {
+        ConsumerBuilder::new(config)
+    }
 }
 
 impl ConsumerBuilder {
     pub(crate) fn new(config: ClientConfig) -> Self {
         ConsumerBuilder {
             config,
-            producer_config: None,
+            dead_letter_config: None,
             topics: Vec::new(),
             group: None,
             namespace: None,
@@ -194,11 +112,11 @@ impl ConsumerBuilder {
             in_flight: 1,
             order_by: crate::OrderBy::default(),
             batch_size: 500,
-            buffer: None,
-            max_bytes: None,
+            max_buffered: None,
+            max_buffered_bytes: None,
             commit_interval: Duration::from_secs(1),
             revoke_timeout: Duration::from_secs(10),
-            backoff: (Duration::from_millis(20), Duration::from_secs(2)),
+            retry_backoff: (Duration::from_millis(20), Duration::from_secs(2)),
             shutdown: None,
             probe: None,
         }
@@ -298,7 +216,7 @@ impl ConsumerBuilder {
     /// The dead-letter producer's configuration (default: the consumer's, without the
     /// consumer-only properties).
     pub fn dead_letter_config(mut self, config: ClientConfig) -> Self {
-        self.producer_config = Some(config);
+        self.dead_letter_config = Some(config);
         self
     }
 
@@ -354,7 +272,7 @@ impl ConsumerBuilder {
     /// paused at once whatever this says. A value below
     /// [`batch_size`](Self::batch_size) is raised to it.
     pub fn max_buffered(mut self, n: usize) -> Self {
-        self.buffer = Some(n);
+        self.max_buffered = Some(n);
         self
     }
 
@@ -375,7 +293,7 @@ impl ConsumerBuilder {
     /// resume, after the fetch in flight returns (up to `fetch.wait.max.ms`), and the poll
     /// thread notices it may resume only between two polls (up to 50 ms).
     pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
-        self.max_bytes = Some(bytes);
+        self.max_buffered_bytes = Some(bytes);
         self
     }
 
@@ -395,7 +313,7 @@ impl ConsumerBuilder {
     /// The first and the longest pause of a stalled partition between retries (default
     /// 20 ms and 2 s, doubling).
     pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.backoff = (
+        self.retry_backoff = (
             idem_core::clock::capped(first),
             idem_core::clock::capped(max),
         );
@@ -511,13 +429,13 @@ impl ConsumerBuilder {
                 "partition_concurrency must be 1 to {permits}"
             )));
         }
-        let (first, max) = self.backoff;
+        let (first, max) = self.retry_backoff;
         if first.is_zero() || max < first {
             return Err(Error::Config(format!(
                 "retry_backoff: first ({first:?}) must be above zero and at most max ({max:?})"
             )));
         }
-        if self.max_bytes == Some(0) {
+        if self.max_buffered_bytes == Some(0) {
             return Err(Error::Config(
                 "max_buffered_bytes must be at least 1".into(),
             ));
@@ -540,21 +458,23 @@ impl ConsumerBuilder {
                     .into(),
             ));
         }
-        let producer_config = self.producer_config.unwrap_or_else(|| {
+        let dead_letter_config = self.dead_letter_config.unwrap_or_else(|| {
             let mut p = config.clone();
             for prop in CONSUMER_ONLY {
                 p.remove(prop);
             }
             p
         });
-        let buffer = self
-            .buffer
+        let max_buffered = self
+            .max_buffered
             .unwrap_or_else(|| prefetch(&config))
             .max(self.batch_size);
-        let max_bytes = self.max_bytes.unwrap_or_else(|| prefetch_bytes(&config));
+        let max_buffered_bytes = self
+            .max_buffered_bytes
+            .unwrap_or_else(|| prefetch_bytes(&config));
         let settings = Settings {
             consumer_config: config,
-            producer_config,
+            dead_letter_config,
             topics: self.topics,
             group,
             namespace,
@@ -567,11 +487,11 @@ impl ConsumerBuilder {
             in_flight: self.in_flight,
             order_by: self.order_by,
             batch_size: self.batch_size,
-            buffer,
-            max_bytes,
+            max_buffered,
+            max_buffered_bytes,
             commit_interval: self.commit_interval,
             revoke_timeout: self.revoke_timeout,
-            backoff: self.backoff,
+            retry_backoff: self.retry_backoff,
             probe: self.probe,
         };
         Ok(IdemConsumer::new(settings, self.shutdown))
@@ -610,6 +530,7 @@ fn prefetch_bytes(config: &ClientConfig) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
     use idem_core::MemoryBackend;
 
     use super::*;
@@ -633,9 +554,9 @@ mod tests {
         c.set("queued.max.messages.kbytes", "much");
         assert_eq!(prefetch_bytes(&c), 64 << 20);
         let s = builder().build().unwrap();
-        assert_eq!(s.settings().max_bytes, 64 << 20);
+        assert_eq!(s.settings().max_buffered_bytes, 64 << 20);
         let s = builder().max_buffered_bytes(5_000_000).build().unwrap();
-        assert_eq!(s.settings().max_bytes, 5_000_000);
+        assert_eq!(s.settings().max_buffered_bytes, 5_000_000);
     }
 
     #[test]
@@ -648,10 +569,10 @@ mod tests {
             .unwrap();
         let settings = s.settings();
         assert_eq!(settings.revoke_timeout, century);
-        assert_eq!(settings.backoff, (century, century));
+        assert_eq!(settings.retry_backoff, (century, century));
         // The revoke deadline and the doubled backoff are computed from these.
         let _ = std::time::Instant::now() + settings.revoke_timeout;
-        let _ = settings.backoff.1.saturating_mul(2);
+        let _ = settings.retry_backoff.1.saturating_mul(2);
     }
 
     fn engine() -> Engine {
@@ -690,7 +611,7 @@ mod tests {
         assert_eq!(s.consumer_config.get("auto.offset.reset"), Some("earliest"));
         assert!(
             s.consumer_config.log_level as u8 >= RDKafkaLogLevel::Warning as u8
-                && s.producer_config.log_level as u8 >= RDKafkaLogLevel::Warning as u8,
+                && s.dead_letter_config.log_level as u8 >= RDKafkaLogLevel::Warning as u8,
             "librdkafka's warnings are let out: {:?}",
             s.consumer_config.log_level
         );
@@ -699,9 +620,9 @@ mod tests {
             s.namespace, "billing",
             "the namespace defaults to the group"
         );
-        assert_eq!(s.producer_config.get("group.id"), None);
+        assert_eq!(s.dead_letter_config.get("group.id"), None);
         assert_eq!(
-            s.producer_config.get("bootstrap.servers"),
+            s.dead_letter_config.get("bootstrap.servers"),
             Some("127.0.0.1:1")
         );
         assert_eq!(s.dead_letter.for_topic("payments"), "payments.dlq");

@@ -11,9 +11,10 @@ use rdkafka::message::{BorrowedMessage, Message as _};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
-use crate::dlq::{
+use crate::dead_letter::write::LogContext;
+use crate::dead_letter::{
     HEADER_ATTEMPTS, HEADER_DROPPED, HEADER_ERROR, HEADER_KEY, HEADER_NAMESPACE, HEADER_OFFSET,
-    HEADER_PARTITION, HEADER_REASON, HEADER_TOPIC, LogContext,
+    HEADER_PARTITION, HEADER_REASON, HEADER_TOPIC,
 };
 use crate::{Error, Result};
 
@@ -247,7 +248,7 @@ pub fn read_letters(
     select: &Selection,
     timeout: Duration,
 ) -> Result<Vec<DeadLetter>> {
-    crate::config::check_topic(topic)?;
+    crate::settings::check_topic(topic)?;
     // librdkafka takes timeouts as i32 milliseconds (about 24.8 days); longer would wrap.
     let timeout = timeout.min(Duration::from_millis(i32::MAX as u64));
     let mut config = config.clone();

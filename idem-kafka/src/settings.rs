@@ -1,0 +1,95 @@
+//! The checked settings of a consumer: plain data, read by every part of the loop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::Engine;
+use rdkafka::ClientConfig;
+
+use crate::handler::DynHandler;
+use crate::{Error, KeySource, Probe, Result};
+
+/// How messages are run: under a lease through the engine, or in a transaction of a
+/// [`Transactional`](idem_core::Transactional) store with the offset.
+pub(crate) enum Mode {
+    Lease(DynHandler),
+    Transactional(Arc<dyn crate::tx::TxStore>),
+}
+
+impl Mode {
+    pub fn is_transactional(&self) -> bool {
+        !matches!(self, Mode::Lease(_))
+    }
+}
+
+/// What to do with a message whose key source finds no key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MissingKey {
+    /// Send it to the dead-letter topic (the default).
+    #[default]
+    DeadLetter,
+    /// Run the handler without a claim: no deduplication, no lease (`Context` is `None`),
+    /// logged at `warn`. A retryable error is retried in place, up to the engine's attempts;
+    /// a permanent one, or the last retry, dead-letters it.
+    Process,
+}
+
+/// Where dead letters go.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DeadLetterTopic {
+    /// `<topic>.dlq` for each source topic (the default).
+    #[default]
+    Suffix,
+    /// One topic for all.
+    Fixed(String),
+}
+
+impl DeadLetterTopic {
+    pub(crate) fn for_topic(&self, topic: &str) -> String {
+        match self {
+            DeadLetterTopic::Suffix => format!("{topic}.dlq"),
+            DeadLetterTopic::Fixed(t) => t.clone(),
+        }
+    }
+}
+
+/// The most messages [`ConsumerBuilder::batch_size`] takes.
+pub const MAX_BATCH_SIZE: usize = 1 << 16;
+
+/// The longest topic name Kafka accepts.
+const MAX_TOPIC_BYTES: usize = 249;
+
+/// A topic name the client can pass on: 1 to 249 bytes, no NUL (librdkafka takes names as
+/// C strings and rejects longer ones, where rdkafka panics).
+pub(crate) fn check_topic(topic: &str) -> Result<()> {
+    if topic.is_empty() || topic.len() > MAX_TOPIC_BYTES || topic.contains('\0') {
+        return Err(Error::Config(format!(
+            "topic {topic:?}: a topic name is 1 to {MAX_TOPIC_BYTES} bytes without NUL"
+        )));
+    }
+    Ok(())
+}
+
+/// The checked settings of an [`IdemConsumer`].
+pub(crate) struct Settings {
+    pub consumer_config: ClientConfig,
+    pub dead_letter_config: ClientConfig,
+    pub topics: Vec<String>,
+    pub group: String,
+    pub namespace: String,
+    pub key_source: KeySource,
+    pub engine: Engine,
+    pub mode: Mode,
+    pub dead_letter: DeadLetterTopic,
+    pub missing_key: MissingKey,
+    pub partition_concurrency: Option<usize>,
+    pub in_flight: usize,
+    pub order_by: crate::OrderBy,
+    pub batch_size: usize,
+    pub max_buffered: usize,
+    pub max_buffered_bytes: usize,
+    pub commit_interval: Duration,
+    pub revoke_timeout: Duration,
+    pub retry_backoff: (Duration, Duration),
+    pub probe: Option<Arc<dyn Probe>>,
+}

@@ -1,0 +1,497 @@
+//! One partition's worker. The path of one message reads top to bottom:
+//!
+//! 1. [`Worker::run`] takes a poll batch that the poll thread routed here (`consumer.rs`);
+//! 2. [`Worker::key`] finds each message's idempotency key, and [`Worker::process`] cuts
+//!    the batch into chunks and hands each to its mode's path:
+//!    - `lease.rs`: one handler at a time under a lease (`in_flight` 1);
+//!    - `lanes.rs`: handlers at once in lanes of one ordering key each (`in_flight` > 1);
+//!    - `transactional.rs`: the handler, its record and the offset in one transaction;
+//! 3. a message off its path (its key busy elsewhere, a failed handler, a lease lost, a
+//!    poisoned key, a store outage) goes to `resolve.rs`, which settles that one message
+//!    before the partition moves on;
+//! 4. [`Worker::store_offset`], the one place an offset is stored in the client, stores it
+//!    past the settled prefix after each chunk and before each stall;
+//! 5. the poll thread commits the stored offsets (`consumer.rs`).
+//!
+//! A worker sees the consumer only through its [`Ctx`]: the settings, the client handle it
+//! pauses and stores offsets through, the crash token with the probe, and the dead-letter
+//! producer.
+
+mod lanes;
+mod lease;
+mod resolve;
+mod transactional;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use idem_core::{Claim, ClaimOutcome, Engine, OffsetPosition};
+use tokio::sync::Semaphore;
+use tracing::Span;
+
+use crate::Message;
+use crate::client::Client;
+use crate::crash::Crash;
+use crate::dead_letter::Reason;
+use crate::dead_letter::write::Writer;
+use crate::handle::{BACKLOG, PartitionState, STALL, WorkerEnds};
+use crate::key::Extracted;
+use crate::lanes::{self as order, OrderBy};
+use crate::metrics::Counters;
+use crate::probe::Point;
+use crate::retry::Backoff;
+use crate::settings::{MissingKey, Mode, Settings};
+
+/// The longest a chunk's results wait for their settle, as handlers are timed so far.
+const SETTLE_WITHIN: Duration = Duration::from_millis(100);
+/// How many messages the first chunk of a partition claims, before any handler was timed.
+const FIRST_CHUNK: usize = 16;
+
+/// What a partition's worker gets of the consumer.
+pub(crate) struct Ctx {
+    pub settings: Arc<Settings>,
+    /// Pauses and resumes partitions, stores offsets.
+    pub client: Client,
+    /// Set off by a crash probe (or a dropped `run`): nothing is written after it.
+    pub crash: Crash,
+    pub letters: Writer,
+    /// Partitions that may work at once (`partition_concurrency`).
+    pub permits: Option<Arc<Semaphore>>,
+}
+
+/// What the rest of a partition's work should do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flow {
+    /// Go on with the next message.
+    Go,
+    /// The partition was revoked (or the consumer is shutting down): dispatch nothing more.
+    Stop,
+    /// The consumer crashed: do nothing more at all.
+    Crashed,
+}
+
+/// A message and what its key source made of it.
+struct Item {
+    msg: Message,
+    kind: Kind,
+    span: Span,
+}
+
+enum Kind {
+    /// The payload's fingerprint, hashed as the batch is keyed (the key is the message's,
+    /// [`Message::key`]); the claim is built where it is sent ([`Worker::claim_of`]), so
+    /// no copy of it is kept.
+    Keyed(Option<idem_core::Fingerprint>),
+    Unkeyed,
+    /// No usable key: dead-letter it for this reason.
+    DeadLetter(Reason, String),
+}
+
+/// What a failed call that is retried was talking to.
+#[derive(Clone, Copy)]
+enum Failing<'a> {
+    Store,
+    /// The dead-letter producer, for the message of this span.
+    Broker(&'a Span),
+}
+
+/// A running handler's permit; it counts in the in-flight gauge until dropped.
+struct InFlight<'a> {
+    _permit: Option<tokio::sync::SemaphorePermit<'a>>,
+    gauge: &'a metrics::Gauge,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.gauge.decrement(1.0);
+    }
+}
+
+/// How far a partition got: its last settled offset (the end of the settled prefix), and
+/// whether it is paused for a stall. The last offset stored in the client is
+/// `PartitionState::stored`, which the poll thread reads too.
+#[derive(Default)]
+struct Progress {
+    settled: Option<i64>,
+    stalled: bool,
+}
+
+/// The worker of one partition, run as a Tokio task.
+pub(crate) struct Worker {
+    ctx: Arc<Ctx>,
+    state: Arc<PartitionState>,
+    engine: Engine,
+    ends: WorkerEnds,
+    counters: Counters,
+    progress: std::sync::Mutex<Progress>,
+    /// Handlers that may run at once (`in_flight`).
+    permits: Semaphore,
+    /// Average time to run one message, to keep claims ahead of their handler short.
+    per_message: Duration,
+}
+
+impl Worker {
+    pub fn new(ctx: Arc<Ctx>, state: Arc<PartitionState>, ends: WorkerEnds) -> Worker {
+        Worker {
+            counters: Counters::new(&state.topic, state.partition),
+            engine: ctx.settings.engine.clone(),
+            permits: Semaphore::new(ctx.settings.in_flight),
+            ctx,
+            state,
+            ends,
+            progress: Default::default(),
+            per_message: Duration::ZERO,
+        }
+    }
+
+    fn settings(&self) -> &Settings {
+        &self.ctx.settings
+    }
+
+    /// Takes poll batches in order until the partition is revoked or the consumer stops.
+    pub async fn run(mut self) {
+        let batch_size = self.settings().batch_size;
+        let mut batch = Vec::with_capacity(batch_size);
+        loop {
+            let first = tokio::select! {
+                biased;
+                () = self.ctx.crash.happens() => return,
+                () = self.state.stop.cancelled() => return,
+                m = self.ends.rx.recv() => match m {
+                    Some(m) => m,
+                    None => return,
+                },
+            };
+            batch.push(first);
+            while batch.len() < batch_size {
+                match self.ends.rx.try_recv() {
+                    Ok(m) => batch.push(m),
+                    Err(_) => break,
+                }
+            }
+            let permit = match self.ctx.permits.clone() {
+                None => None,
+                Some(sem) => tokio::select! {
+                    biased;
+                    () = self.ctx.crash.happens() => return,
+                    () = self.state.stop.cancelled() => return,
+                    p = sem.acquire_owned() => p.ok(),
+                },
+            };
+            let taken = batch.len();
+            let flow = self.process(&mut batch).await;
+            drop(permit);
+            batch.clear();
+            // Counted until handled: the bound covers messages waiting and in flight.
+            let before = self.state.backlog.fetch_sub(taken, Ordering::Relaxed);
+            if before.saturating_sub(taken) <= self.settings().max_buffered / 2 {
+                self.state.set_pause(&self.ctx.client, BACKLOG, false);
+            }
+            if flow != Flow::Go {
+                return;
+            }
+        }
+    }
+
+    /// One poll batch, in chunks short enough that no claimed lease waits long for its
+    /// handler; the offset past what settled is stored after each chunk.
+    async fn process(&mut self, batch: &mut Vec<Message>) -> Flow {
+        let items: Vec<Item> = batch.drain(..).map(|m| self.key(m)).collect();
+        let mut start = 0;
+        while start < items.len() {
+            let end = start + self.chunk_len(&items[start..]);
+            let began = Instant::now();
+            let chunk = &items[start..end];
+            let flow = match &self.settings().mode {
+                _ if self.settings().in_flight > 1 => self.process_lanes(chunk).await,
+                Mode::Lease(_) => self.process_leased(chunk).await,
+                Mode::Transactional(_) => self.process_transactional(chunk).await,
+            };
+            self.store_offset();
+            if flow != Flow::Go {
+                return flow;
+            }
+            let each = began.elapsed() / u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+            self.per_message = if self.per_message.is_zero() {
+                each
+            } else {
+                (self.per_message * 7 + each) / 8
+            };
+            start = end;
+        }
+        Flow::Go
+    }
+
+    /// The key of a message, or why it has none usable.
+    fn key(&self, msg: Message) -> Item {
+        let s = self.settings();
+        let (msg, kind) = match s.key_source.extract(&s.namespace, &msg) {
+            Extracted::Key(key) => {
+                let fingerprint = self.engine.fingerprint_of(msg.payload());
+                (msg.with_key(key), Kind::Keyed(fingerprint))
+            }
+            Extracted::Missing => match s.missing_key {
+                MissingKey::DeadLetter => {
+                    let why = format!("no idempotency key ({:?})", s.key_source);
+                    (msg, Kind::DeadLetter(Reason::MissingKey, why))
+                }
+                MissingKey::Process => (msg, Kind::Unkeyed),
+            },
+            Extracted::Invalid(reason) => (msg, Kind::DeadLetter(Reason::InvalidKey, reason)),
+            Extracted::Malformed(reason) => {
+                (msg, Kind::DeadLetter(Reason::MalformedPayload, reason))
+            }
+        };
+        // The key is a field from the start: no `record` per message, and nothing is
+        // formatted while no subscriber wants the span.
+        let span = tracing::info_span!(
+            "idem_kafka.message",
+            topic = %self.state.topic,
+            partition = self.state.partition,
+            offset = msg.offset(),
+            key = msg.key().map(tracing::field::display),
+            outcome = tracing::field::Empty,
+        );
+        Item { msg, kind, span }
+    }
+
+    /// The claim of a keyed message (its key, this engine's settings, the payload's
+    /// fingerprint); `None` for a message without a key.
+    fn claim_of(&self, item: &Item) -> Option<Claim> {
+        match &item.kind {
+            Kind::Keyed(fingerprint) => {
+                let key = item.msg.key()?;
+                Some(self.engine.claim_with(key, *fingerprint))
+            }
+            _ => None,
+        }
+    }
+
+    /// Claims the keyed messages of `chunk` in one store call, retrying while the store
+    /// fails. The answers line up with the chunk (`None` for a message without a claim).
+    async fn claim_chunk(&self, chunk: &[Item]) -> Result<Vec<Option<ClaimOutcome>>, Flow> {
+        let claims: Vec<Claim> = chunk.iter().filter_map(|i| self.claim_of(i)).collect();
+        let mut answers = if claims.is_empty() {
+            Vec::new()
+        } else {
+            self.retry(Failing::Store, || self.engine.claim_many(&claims))
+                .await?
+        }
+        .into_iter();
+        Ok(chunk
+            .iter()
+            .map(|item| match item.kind {
+                Kind::Keyed(..) => answers.next(),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Marks the messages of `range` settled, in order; says whether a probe crashed.
+    fn mark_settled(&self, chunk: &[Item], range: std::ops::RangeInclusive<usize>) -> bool {
+        for item in &chunk[range] {
+            self.unstall();
+            self.progress().settled = Some(item.msg.offset());
+            if self.probe(Point::AfterSettle, item.msg.offset()) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Stores the offset after the last settled message in the client, unless it is
+    /// stored already or the consumer crashed or gave the partition up. The one place an
+    /// offset goes to the client.
+    fn store_offset(&self) {
+        let Some(settled) = self.progress().settled else {
+            return;
+        };
+        if self.state.stored.load(Ordering::SeqCst) == settled
+            || self.ctx.crash.happened()
+            || self.state.abandon.is_cancelled()
+        {
+            return;
+        }
+        let (topic, partition) = (&*self.state.topic, self.state.partition);
+        if self.ctx.client.store_offset(topic, partition, settled) {
+            self.state.stored.store(settled, Ordering::SeqCst);
+            let _ = self.probe(Point::AfterStore, settled);
+        }
+    }
+
+    /// A permit to run one handler: at most `in_flight` run at once in a partition. `Stop`
+    /// if the partition is given up while waiting: no handler starts after that.
+    async fn handler_permit(&self) -> Result<InFlight<'_>, Flow> {
+        // One handler at a time: the partition's single permit would always be free here
+        // (handlers run in turn), so none is taken.
+        if self.settings().in_flight == 1 {
+            self.counters.in_flight.increment(1.0);
+            return Ok(InFlight {
+                _permit: None,
+                gauge: &self.counters.in_flight,
+            });
+        }
+        let permit = tokio::select! {
+            biased;
+            p = self.permits.acquire() => p,
+            () = self.ctx.crash.happens() => return Err(Flow::Crashed),
+            () = self.state.stop.cancelled() => return Err(Flow::Stop),
+        };
+        self.counters.in_flight.increment(1.0);
+        Ok(InFlight {
+            _permit: permit.ok(),
+            gauge: &self.counters.in_flight,
+        })
+    }
+
+    // ---- Retrying, giving up, stalling, probing. ----
+
+    /// Calls `op` until it succeeds: the one retry loop for a store or a broker. Between
+    /// tries the partition stalls (paused, offsets stored) with backoff. `Err` when the
+    /// partition is given up or the consumer crashes first.
+    async fn retry<T, E, Fut>(
+        &self,
+        on: Failing<'_>,
+        mut op: impl FnMut() -> Fut,
+    ) -> Result<T, Flow>
+    where
+        E: std::fmt::Display,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let mut backoff = self.backoff();
+        loop {
+            match self.guarded(op()).await? {
+                Ok(value) => return Ok(value),
+                Err(e) => match on {
+                    Failing::Store => self.store_error(&e),
+                    Failing::Broker(span) => {
+                        tracing::warn!(parent: span, error = %e, "dead-letter write failed: partition stalled");
+                    }
+                },
+            }
+            self.stall(backoff.next()).await?;
+        }
+    }
+
+    /// Whether the partition was given up or the consumer crashed.
+    fn interrupted(&self) -> Option<Flow> {
+        if self.ctx.crash.happened() {
+            Some(Flow::Crashed)
+        } else if self.state.stop.is_cancelled() {
+            Some(Flow::Stop)
+        } else {
+            None
+        }
+    }
+
+    /// Pauses the partition and sleeps `wait`, after storing what is settled. `Err` when
+    /// the partition is revoked or the consumer crashed meanwhile.
+    async fn stall(&self, wait: Duration) -> Result<(), Flow> {
+        self.store_offset();
+        if !std::mem::replace(&mut self.progress().stalled, true) {
+            self.state.set_pause(&self.ctx.client, STALL, true);
+        }
+        tokio::select! {
+            biased;
+            () = self.ctx.crash.happens() => Err(Flow::Crashed),
+            () = self.state.stop.cancelled() => Err(Flow::Stop),
+            () = tokio::time::sleep(wait) => Ok(()),
+        }
+    }
+
+    /// Resumes a partition paused for a stall, now that a message settled.
+    fn unstall(&self) {
+        if std::mem::replace(&mut self.progress().stalled, false) {
+            self.state.set_pause(&self.ctx.client, STALL, false);
+        }
+    }
+
+    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Polls `work` unless the consumer crashes (`Crashed`) or the partition is given up
+    /// for good (`Stop`, once the revoke timeout passed) first.
+    async fn guarded<T>(&self, work: impl Future<Output = T>) -> Result<T, Flow> {
+        tokio::select! {
+            biased;
+            r = work => Ok(r),
+            () = self.ctx.crash.happens() => Err(Flow::Crashed),
+            () = self.state.abandon.cancelled() => Err(Flow::Stop),
+        }
+    }
+
+    fn store_error(&self, e: &dyn std::fmt::Display) {
+        self.counters.store_errors.increment(1);
+        tracing::warn!(
+            topic = %self.state.topic, partition = self.state.partition, error = %e,
+            "store error: partition stalled until the store answers"
+        );
+    }
+
+    fn backoff(&self) -> Backoff {
+        Backoff::new(self.settings().retry_backoff)
+    }
+
+    /// How many of the `left` messages to claim at once: all of them while handlers are
+    /// fast, fewer when a chunk would take longer than [`SETTLE_WITHIN`] or a quarter of
+    /// the lease to run (its results are settled, and its offsets stored, only at its
+    /// end). The first chunk, before any handler was timed, is at most [`FIRST_CHUNK`].
+    ///
+    /// With handlers in flight at once, a chunk always holds the leading messages whose
+    /// ordering keys differ, up to `in_flight`: they start together, so no lease of theirs
+    /// waits for another handler, however slow the handlers are (a chunk sized by time
+    /// alone shrank to one message, and ran slow handlers one at a time).
+    fn chunk_len(&self, left: &[Item]) -> usize {
+        let in_flight = self.settings().in_flight;
+        let fits = if self.per_message.is_zero() {
+            FIRST_CHUNK
+        } else {
+            let budget = (self.engine.lease_ttl() / 4).min(SETTLE_WITHIN);
+            let fits = budget.as_nanos() / self.per_message.as_nanos().max(1);
+            usize::try_from(fits).unwrap_or(usize::MAX)
+        };
+        // The floor is at most `in_flight`: with fast handlers the budget already holds
+        // that many, and the keys need not be read.
+        let floor = if fits < in_flight {
+            order::distinct_prefix(left.iter().map(|item| self.lane_key(item)), in_flight)
+        } else {
+            1
+        };
+        left.len().min(fits.max(floor).max(1))
+    }
+
+    /// The key that orders `item` among concurrent handlers, if any.
+    fn lane_key<'a>(&self, item: &'a Item) -> Option<LaneKey<'a>> {
+        match self.settings().order_by {
+            OrderBy::IdempotencyKey => item.msg.key().map(LaneKey::Id),
+            _ => item.msg.message_key().map(LaneKey::Message),
+        }
+    }
+
+    fn position(&self, msg: &Message) -> OffsetPosition {
+        OffsetPosition {
+            group: self.settings().group.clone(),
+            topic: msg.topic().to_owned(),
+            partition: msg.partition(),
+            offset: msg.offset(),
+        }
+    }
+
+    /// Asks the probe, if any; a crash verdict crashes the consumer. Says whether it did.
+    fn probe(&self, point: Point, offset: i64) -> bool {
+        let state = &self.state;
+        self.ctx
+            .crash
+            .at(point, &state.topic, state.partition, offset)
+    }
+}
+
+/// What a lane is ordered by.
+#[derive(Hash, PartialEq, Eq)]
+enum LaneKey<'a> {
+    Id(&'a idem_core::Key),
+    Message(&'a bytes::Bytes),
+}
