@@ -12,7 +12,7 @@ mod error;
 mod handle;
 mod handler;
 mod key;
-mod lanes;
+mod order;
 mod message;
 pub mod metrics;
 mod probe;
@@ -34,7 +34,7 @@ pub use dead_letter::{
 pub use error::{Error, Result};
 pub use handler::HandlerResult;
 pub use key::{DEFAULT_KEY_HEADER, KeyFn, KeySource};
-pub use lanes::OrderBy;
+pub use order::OrderBy;
 pub use message::Message;
 pub use probe::{Point, Probe, Verdict};
 pub use replay::{Previous, REPLAY_NAMESPACE, Replay, Replayer, Reset, Sent};

@@ -5,6 +5,7 @@
 
 mod markdown;
 mod measure;
+mod provenance;
 mod report;
 mod subject;
 
@@ -64,7 +65,7 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
         closed?;
     }
     bar.finish_and_clear();
-    let report = Report::new(args, markdown::Provenance::here(), cells);
+    let report = Report::new(args, provenance::Provenance::here(), cells);
     let written = report.write(&args.out)?;
     let wrote = format!(
         "wrote {}",

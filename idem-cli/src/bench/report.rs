@@ -8,8 +8,8 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 
-use super::markdown::Provenance;
 use super::measure::Measure;
+use super::provenance::Provenance;
 use super::subject::Subject;
 use crate::cli::BenchArgs;
 use crate::error::{Error, Result};
@@ -89,6 +89,21 @@ impl Cell {
     }
 }
 
+/// The columns of the Markdown table; the terminal table adds p50 and p99 after the
+/// eighth.
+pub(super) const HEADER: [&str; 10] = [
+    "backend",
+    "workers",
+    "batch",
+    "idem keys/s",
+    "by hand keys/s",
+    "idem ÷ by hand",
+    "raw keys/s",
+    "idem ÷ raw",
+    "replay keys/s",
+    "replay ÷ raw",
+];
+
 /// A whole run.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -124,7 +139,7 @@ impl Report {
     /// by-hand and the raw baselines, claim+complete latency, and replays.
     pub fn table(&self) -> String {
         let mut t = Table::new();
-        let mut header = super::markdown::HEADER.to_vec();
+        let mut header = HEADER.to_vec();
         header.splice(8..8, ["p50", "p99"]);
         t.load_preset(UTF8_FULL_CONDENSED).set_header(header);
         for c in &self.cells {

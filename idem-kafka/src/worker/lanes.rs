@@ -8,7 +8,7 @@ use idem_core::{ClaimOutcome, Engine, Outcome, Ran, Settlement};
 use tokio_util::sync::CancellationToken;
 
 use super::{Flow, Item, Kind, Worker};
-use crate::lanes::{self as order, Settler, Window};
+use crate::order::{self, Settler, Window};
 use crate::probe::Point;
 
 /// What the lanes of a chunk share.

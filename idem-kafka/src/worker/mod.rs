@@ -38,7 +38,7 @@ use crate::dead_letter::Reason;
 use crate::dead_letter::write::Writer;
 use crate::handle::{BACKLOG, PartitionState, STALL, WorkerEnds};
 use crate::key::Extracted;
-use crate::lanes::{self as order, OrderBy};
+use crate::order::{self, OrderBy};
 use crate::metrics::Counters;
 use crate::probe::Point;
 use crate::retry::Backoff;
