@@ -25,6 +25,12 @@
 //! through the same kind of client just before the loop ran; zero for the in-memory store).
 //! The verdict column is computed from the run's own figures.
 //!
+//! The consumers' `fetch.wait.max.ms` is `IDEM_LATENCY_FETCH_WAIT_MS` (default 10, not
+//! librdkafka's 500: tansu and MockCluster answer a fetch that finds no data only once that
+//! wait is over, where Kafka answers when data arrives, so 500 ms would spread every loop's
+//! latency up to it); the producer's `linger.ms` is `IDEM_LATENCY_LINGER_MS` (default 5,
+//! librdkafka's; at 1 tansu falls behind the produce requests at 20,000 msg/s).
+//!
 //! Needs `IDEM_KAFKA_BROKERS`, `IDEM_REDIS_URL` and `IDEM_POSTGRES_URL`
 //! (`eval "$(scripts/services up)"`).
 //!
