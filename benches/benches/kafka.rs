@@ -45,12 +45,12 @@ use idem_core::layer::{Around, Call, Layered};
 use idem_core::{Backend, Engine, MemoryBackend};
 use idem_kafka::IdemConsumer;
 use idem_kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use idem_kafka::rdkafka::message::{BorrowedMessage, Headers, Message as _};
+use idem_kafka::rdkafka::message::{BorrowedMessage, Message as _};
 use idem_kafka::rdkafka::mocking::MockCluster;
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::ConnectionManager;
-use support::{Produce, Timing, config, create_topic, median, unique};
+use support::{Produce, Timing, config, create_topic, handle, header_key, median, unique};
 
 const PARTITIONS: i32 = 4;
 /// Per partition: under MockCluster's retention of about 5 MiB per partition.
@@ -63,17 +63,6 @@ const SCHEMA: &str = "idem_kafka_bench";
 /// Every Redis key the bench writes starts with this: idem's records (its backend's prefix)
 /// and the hand-written loops' keys, so [`Stores::reset`] finds them all.
 const REDIS_PREFIX: &str = "idem_kafka_bench:";
-
-/// What every loop does per message besides its bookkeeping: read the key, answer.
-fn handle(key: Option<&[u8]>) -> Bytes {
-    Bytes::from(format!("ok {}", key.map_or(0, <[u8]>::len)))
-}
-
-fn header_key<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m [u8]> {
-    m.headers()
-        .and_then(|h| h.iter().find(|h| h.key == "idempotency-key"))
-        .and_then(|h| h.value)
-}
 
 async fn produce(brokers: &str, topic: &str) {
     let messages = (0..MESSAGES).map(|i| Produce {
@@ -894,53 +883,13 @@ fn summary() {
     );
 }
 
-/// The line above the summary: the command, the date, the commit and the cores.
+/// The line above the summary: the command, the date, the commit, the cores and the brokers.
 fn provenance() -> String {
-    // Cargo runs the bench binary with `--bench` and then what followed `--`.
-    let rest: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let mut command = "cargo bench -p benches --bench kafka".to_owned();
-    if !rest.is_empty() {
-        command = format!("{command} -- {}", rest.join(" "));
-    }
     let brokers = match std::env::var("IDEM_KAFKA_BROKERS") {
         Ok(b) if !b.trim().is_empty() => "MockCluster and tansu at IDEM_KAFKA_BROKERS",
         _ => "MockCluster only, IDEM_KAFKA_BROKERS unset",
     };
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .stderr(std::process::Stdio::null())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .filter(|c| !c.is_empty())
-        .unwrap_or_else(|| "unknown".into());
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    format!(
-        "`{command}` on {}, commit `{commit}`, {cores} cores ({brokers}; release build)",
-        today()
-    )
-}
-
-/// Today's date, UTC, `YYYY-MM-DD` (the civil calendar from days since 1970, after Howard
-/// Hinnant's `civil_from_days`).
-fn today() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let z = i64::try_from(secs / 86_400).unwrap_or(0) + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}")
+    support::provenance("kafka", brokers)
 }
 
 fn kafka(c: &mut Criterion) {

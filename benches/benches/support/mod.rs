@@ -6,10 +6,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use bytes::Bytes;
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
-use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_kafka::rdkafka::message::{BorrowedMessage, Header, Headers, Message as _, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::{Point, Probe, Verdict};
 use tokio::sync::Notify;
@@ -23,6 +24,18 @@ pub fn config(brokers: &str, group: &str) -> ClientConfig {
         .set("session.timeout.ms", "6000")
         .set("fetch.queue.backoff.ms", "10");
     c
+}
+
+/// What every loop does per message besides its bookkeeping: read the key, answer.
+pub fn handle(key: Option<&[u8]>) -> Bytes {
+    Bytes::from(format!("ok {}", key.map_or(0, <[u8]>::len)))
+}
+
+/// A message's `idempotency-key` header.
+pub fn header_key<'m>(m: &'m BorrowedMessage<'_>) -> Option<&'m [u8]> {
+    m.headers()
+        .and_then(|h| h.iter().find(|h| h.key == "idempotency-key"))
+        .and_then(|h| h.value)
 }
 
 /// A name no other run or iteration uses.
@@ -207,4 +220,51 @@ pub async fn produce(brokers: &str, topic: &str, messages: impl IntoIterator<Ite
     for d in pending {
         d.await.expect("delivery").expect("delivered");
     }
+}
+
+/// The line above a bench's summary: the command (`cargo bench -p benches --bench <bench>`
+/// and what followed `--`), the date, the commit, the cores and `brokers` (which brokers
+/// the run used).
+pub fn provenance(bench: &str, brokers: &str) -> String {
+    // Cargo runs the bench binary with `--bench` and then what followed `--`.
+    let rest: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let mut command = format!("cargo bench -p benches --bench {bench}");
+    if !rest.is_empty() {
+        command = format!("{command} -- {}", rest.join(" "));
+    }
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    format!(
+        "`{command}` on {}, commit `{commit}`, {cores} cores ({brokers}; release build)",
+        today()
+    )
+}
+
+/// Today's date, UTC, `YYYY-MM-DD` (the civil calendar from days since 1970, after Howard
+/// Hinnant's `civil_from_days`).
+pub fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let z = i64::try_from(secs / 86_400).unwrap_or(0) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
 }
