@@ -22,6 +22,7 @@ use crate::crash::Crash;
 use crate::dead_letter::write::Writer;
 use crate::handle::{BYTES, PartitionState, Route, WorkerHandle};
 use crate::probe::Point;
+use crate::retry::Backoff;
 use crate::settings::{Mode, Settings};
 use crate::worker::{Ctx, Worker};
 use crate::{Error, Result};
@@ -300,7 +301,9 @@ impl Shared {
     fn seek_to_stored(&self, tpl: &mut TopicPartitionList) {
         let settings = self.settings();
         if let Mode::Transactional(store) = &settings.mode {
-            let backoff = crate::retry::Backoff::new(settings.retry_backoff);
+            // Patient enough for a store's blip (200 ms, then 400 ms), short enough for a
+            // rebalance callback.
+            let backoff = Backoff::new((Duration::from_millis(200), Duration::from_secs(1)));
             crate::tx::seek_to_stored(&**store, &settings.group, backoff, &self.runtime, tpl);
         }
     }
