@@ -14,11 +14,11 @@ use aws_sdk_dynamodb::config::SharedHttpClient;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
 use aws_smithy_http_client::tls;
 use bytes::Bytes;
-use idem_core::clock::{Clock, SystemClock};
-use idem_core::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Settle, Settlement, State, Timestamp, machine,
+use idem_core::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, Settle, Settlement, machine,
 };
+use idem_core::clock::{Clock, SystemClock};
+use idem_core::{Backend, Error, FailureKind, Key, Lease, Record, Result, State, Timestamp};
 
 use crate::batch;
 use crate::config::DynamoConfig;

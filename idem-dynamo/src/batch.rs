@@ -4,7 +4,8 @@ use std::future::Future;
 use std::hash::Hash;
 
 use futures::{StreamExt, TryStreamExt, stream};
-use idem_core::{Error, Result, group_by};
+use idem_core::backend::group_by;
+use idem_core::{Error, Result};
 
 /// `run` on every item, answers in batch order. At most `parallel` calls are in flight;
 /// the items of one key run one after another in batch order, each after the previous one

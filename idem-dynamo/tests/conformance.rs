@@ -19,8 +19,9 @@ use std::time::Duration;
 use aws_sdk_dynamodb::types::AttributeValue;
 use bytes::Bytes;
 use idem_conformance::{Factory, Fixture, Remote};
+use idem_core::backend::{Claim, ClaimOutcome};
 use idem_core::clock::ManualClock;
-use idem_core::{Backend, Claim, ClaimOutcome, Key, Result, Timestamp};
+use idem_core::{Backend, Key, Result, Timestamp};
 use idem_dynamo::{DynamoBackend, DynamoConfig};
 
 const TABLE: &str = "idem_conformance";

@@ -5,7 +5,8 @@
 use std::hash::Hash;
 use std::sync::Mutex;
 
-use idem_core::{Outcome, Settlement};
+use idem_core::Outcome;
+use idem_core::backend::Settlement;
 use tokio::sync::{Notify, oneshot};
 
 /// What orders the messages of a partition when handlers run concurrently

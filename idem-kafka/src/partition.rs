@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use idem_core::backend::{Claim, ClaimOutcome, OffsetPosition, Ran, Settle, Settlement};
 use idem_core::{
-    Claim, ClaimOutcome, Context, Engine, FailureKind, HandlerError, Lease, OffsetPosition,
-    Outcome, Ran, Settle, Settlement, Timestamp, WaitPolicy,
+    Context, Engine, FailureKind, HandlerError, Lease, Outcome, Timestamp, WaitPolicy,
 };
 use rdkafka::consumer::Consumer;
 use tracing::{Instrument, Span};

@@ -7,7 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use idem_core::{Backend, Claim, Lease, OffsetPosition, Outcome, StoredOffset, Transactional};
+use idem_core::backend::{Claim, OffsetPosition, StoredOffset};
+use idem_core::{Backend, Lease, Outcome, Transactional};
 
 use crate::Message;
 use crate::config::HandlerResult;

@@ -9,10 +9,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use idem_core::watch::Feed;
+use idem_core::backend::watch::Feed;
+use idem_core::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, machine, watch::Watch,
+};
 use idem_core::{
-    Backend, Capabilities, Claim, ClaimKind, ClaimOutcome, Error, FailureKind, Fingerprint, Key,
-    Lease, ListFilter, Record, Result, Settlement, State, Timestamp, Watch, machine,
+    Backend, ClaimKind, Error, FailureKind, Fingerprint, Key, Lease, Record, Result, State,
+    Timestamp,
 };
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};

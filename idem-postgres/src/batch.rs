@@ -4,10 +4,8 @@
 
 use std::time::Duration;
 
-use idem_core::{
-    Claim, Error, HandlerError, Lease, OffsetPosition, Outcome, Result, Settlement, Transactional,
-    TxFuture,
-};
+use idem_core::backend::{Claim, OffsetPosition, Settlement, TxFuture};
+use idem_core::{Error, HandlerError, Lease, Outcome, Result, Transactional};
 
 use sqlx::AssertSqlSafe;
 

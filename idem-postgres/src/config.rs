@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use idem_core::Error;
-use idem_core::driver::redact;
+use idem_core::backend::driver::redact;
 
 /// Connection and naming settings for [`PgBackend`](crate::PgBackend).
 ///

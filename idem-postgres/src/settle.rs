@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use idem_core::{Error, FailureKind, Lease, Result, Settle, Settlement};
+use idem_core::backend::{Settle, Settlement};
+use idem_core::{Error, FailureKind, Lease, Result};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 

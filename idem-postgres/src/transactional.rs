@@ -7,10 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
-use idem_core::{
-    Backend, Claim, ClaimOutcome, Error, HandlerError, Lease, OffsetPosition, Outcome, Result,
-    StoredOffset, Transactional, TxFuture,
-};
+use idem_core::backend::{Claim, ClaimOutcome, OffsetPosition, StoredOffset, TxFuture};
+use idem_core::{Backend, Error, HandlerError, Lease, Outcome, Result, Transactional};
 use sqlx::Row;
 
 use crate::backend::{PgBackend, PgQuery, check_fence, fenced, millis};

@@ -7,7 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use idem_core::{Backend, Claim, Error, Fingerprint, Key};
+use idem_core::backend::Claim;
+use idem_core::{Backend, Error, Fingerprint, Key};
 use idem_postgres::{PgBackend, PgConfig};
 
 fn claim(key: &Key) -> Claim {
@@ -123,7 +124,7 @@ async fn a_connect_timeout_of_duration_max_connects_and_claims() {
         let key = Key::new(idem_conformance::unique_namespace(), "forever").expect("key");
         let res = backend.claim(&claim(&key)).await.expect("claim");
         assert!(
-            matches!(res, idem_core::ClaimOutcome::Acquired(_)),
+            matches!(res, idem_core::backend::ClaimOutcome::Acquired(_)),
             "{res:?}"
         );
     }

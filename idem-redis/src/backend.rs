@@ -9,11 +9,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use idem_core::watch::Feed;
-use idem_core::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Settlement, Timestamp, Watch,
-};
+use idem_core::backend::watch::Feed;
+use idem_core::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, watch::Watch};
+use idem_core::{Backend, Error, FailureKind, Key, Lease, Record, Result, Timestamp};
 use redis::cluster_routing::Slot;
 use redis::{RedisResult, Value};
 
@@ -157,7 +155,7 @@ impl RedisBackend {
                 vec![all]
             };
         }
-        idem_core::group_by(indices, |&i| Slot::for_key(&keys[i]))
+        idem_core::backend::group_by(indices, |&i| Slot::for_key(&keys[i]))
     }
 }
 

@@ -7,7 +7,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use idem_core::{Lease, Result, Settle, Settlement, Timestamp};
+use idem_core::backend::{Settle, Settlement};
+use idem_core::{Lease, Result, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;

@@ -5,7 +5,8 @@
 //! completed or spent one is answered from the value it returned; the rest go to the claim
 //! function (`lua/claim.lua`, see `library.rs`), one call per batch per cluster slot.
 
-use idem_core::{Claim, ClaimOutcome, Result, State, Timestamp, machine};
+use idem_core::backend::{Claim, ClaimOutcome, machine};
+use idem_core::{Result, State, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;

@@ -1,6 +1,7 @@
 //! `list`: walking the records under the prefix with `SCAN`, on every primary of a cluster.
 
-use idem_core::{Error, ListFilter, Record, Result};
+use idem_core::backend::ListFilter;
+use idem_core::{Error, Record, Result};
 use redis::Value;
 
 use crate::RedisBackend;

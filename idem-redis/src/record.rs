@@ -7,7 +7,8 @@ use std::io::Write;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use idem_core::{Claim, Error, Fingerprint, Key, Lease, Record, Result, State, Timestamp};
+use idem_core::backend::Claim;
+use idem_core::{Error, Fingerprint, Key, Lease, Record, Result, State, Timestamp};
 use redis::{RedisWrite, ToRedisArgs, Value};
 
 use crate::error::{bad_reply, from_redis};

@@ -1,7 +1,8 @@
 //! The claim function's reply (see `lua/claim.lua` for its shape).
 
 use bytes::Bytes;
-use idem_core::{Claim, ClaimKind, ClaimOutcome, Fingerprint, Lease, Result, Timestamp};
+use idem_core::backend::{Claim, ClaimOutcome};
+use idem_core::{ClaimKind, Fingerprint, Lease, Result, Timestamp};
 use redis::Value;
 
 use crate::error::bad_reply;

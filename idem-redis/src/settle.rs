@@ -6,7 +6,8 @@
 
 use std::time::Duration;
 
-use idem_core::{Error, FailureKind, Lease, Result, Settle, Settlement, Timestamp};
+use idem_core::backend::{Settle, Settlement};
+use idem_core::{Error, FailureKind, Lease, Result, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;

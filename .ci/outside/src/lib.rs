@@ -1,6 +1,6 @@
 //! A backend of this crate's own, written against idem's public API only: the records in
 //! one `BTreeMap` under one lock, each operation the state machine's transition
-//! (`idem_once::machine`) applied under it. Small on purpose; what makes it correct is the
+//! (`idem_once::backend::machine`) applied under it. Small on purpose; what makes it correct is the
 //! published conformance suite (`tests/conformance.rs`).
 
 use std::collections::BTreeMap;
@@ -8,10 +8,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use idem_once::clock::Clock;
-use idem_once::{
-    Backend, Bytes, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record,
-    Result, Timestamp, async_trait, machine,
-};
+use idem_once::{Backend, Bytes, Error, FailureKind, Key, Lease, Record, Result, Timestamp};
+use idem_once::backend::{Capabilities, Claim, ClaimOutcome, async_trait, machine};
 
 /// Records in a map under one lock, on an injectable clock.
 #[derive(Clone)]

@@ -1,17 +1,67 @@
-//! The `Backend` trait every store implements.
+//! What a backend author needs: the [`Backend`] trait and everything around it. Broker
+//! bindings such as `idem-kafka` build on it too, through the engine's batch calls
+//! ([`Engine::claim_many`](crate::Engine::claim_many),
+//! [`Engine::run_leased`](crate::Engine::run_leased),
+//! [`Engine::settle_batch`](crate::Engine::settle_batch)), and so do tests that check a
+//! store against the state machine.
+//!
+//! A user of the engine needs only the crate's root. What is here is for the people who
+//! write a store, a layer, a consumer loop or a test:
+//!
+//! - the trait and its vocabulary: [`Backend`], [`Capabilities`], [`ListFilter`], the
+//!   requests and answers [`Claim`], [`ClaimOutcome`], [`Settle`], [`Settlement`], and
+//!   what [`Engine::run_leased`](crate::Engine::run_leased) says, [`Ran`];
+//! - the checks every store makes alike, written once: [`check_response`],
+//!   [`millis`] (one cap, [`MAX_MILLIS`]), [`Error::fenced`](crate::Error::fenced),
+//!   [`per_item`], [`group_by`];
+//! - the state machine as pure functions ([`machine`]), the reference model over it
+//!   ([`Model`]), change notifications ([`watch`]), drivers for tools that know only a URL
+//!   ([`driver`]);
+//! - panics turned into failures ([`panic_at_poll`], [`panic_text`], [`Unwind`]) and
+//!   transactional mode's offsets ([`OffsetPosition`], [`StoredOffset`], [`TxFuture`]);
+//! - [`async_trait`], which `Backend` is declared with.
+//!
+//! Types that a user's own code meets (a [`Lease`](crate::Lease) in a handler's
+//! [`Context`](crate::Context), a [`Record`](crate::Record) read back, [`Timestamp`](crate::Timestamp),
+//! [`State`](crate::State), [`ClaimKind`](crate::ClaimKind), [`FailureKind`](crate::FailureKind),
+//! [`Key`](crate::Key), [`Error`](crate::Error)) live at the root only: a backend imports
+//! them from there. One name has two paths: `Backend` is here, where it is documented,
+//! and at the root, because a user names it to pick a store at run time
+//! (`Arc<dyn Backend>` is what [`Engine::builder`](crate::Engine::builder) takes).
+//!
+//! # Batch calls first
+//!
+//! A backend writes the batch calls, [`Backend::claim_many`] and
+//! [`Backend::settle_many`]; the single calls [`Backend::claim`], [`Backend::complete`],
+//! [`Backend::fail`] and [`Backend::release`] are provided from them, as a batch of one.
+//! The engine settles through `settle_many` even for one message, and a consumer claims
+//! whole polls, so the batch is the path that has to be fast anyway; a store that answers
+//! one claim cheaper than a batch of one (a plain `SET NX`, one conditional write)
+//! overrides `claim`, as Redis, DynamoDB and the memory store do. A backend so writes one
+//! settle path instead of four, and a batch that loops over single calls (the old
+//! default) can no longer hide in a store whose batch is slow.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::{
-    Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record, Result, Settle, Settlement, State,
-    Timestamp, Watch,
-};
+use crate::{Error, FailureKind, Key, Lease, Record, Result, State, Timestamp};
+
+pub mod driver;
+pub mod machine;
+mod model;
+pub mod watch;
+
+pub use crate::engine::Ran;
+pub use crate::handler::{Unwind, panic_at_poll, panic_text};
+pub use crate::record::{Claim, ClaimOutcome, Settle, Settlement};
+pub use crate::transactional::{OffsetPosition, StoredOffset, TxFuture};
+pub use async_trait::async_trait;
+pub use model::Model;
+use watch::Watch;
 
 /// What a backend can do beyond the required operations. The conformance suite and the
 /// engine read these; nothing asks a backend for what it does not declare.
@@ -89,82 +139,85 @@ impl ListFilter {
 
 /// A store of idempotency records. Every method is one atomic step in the store.
 ///
+/// A backend writes the batch calls, [`Backend::claim_many`] and [`Backend::settle_many`];
+/// the single calls are provided as a batch of one (see the [module docs](self) for why),
+/// and a store with a cheaper single path overrides them.
+///
 /// Object safe: the backend is often picked at run time, so `Arc<dyn Backend>` works
 /// everywhere a backend does.
 #[async_trait]
 pub trait Backend: Send + Sync {
     /// Claims `claim.key`, atomically: of concurrent claims on one key, at most one returns
     /// [`ClaimOutcome::Acquired`] while its lease is live; the others learn the existing
-    /// record's answer in the same call. Granted tokens for a key strictly increase.
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome>;
+    /// record's answer in the same call. Granted tokens for a key strictly increase. The
+    /// default is [`Backend::claim_many`] of one.
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
+        let mut answers = self.claim_many(std::slice::from_ref(claim)).await?;
+        match (answers.pop(), answers.is_empty()) {
+            (Some(answer), true) => Ok(answer),
+            _ => Err(Error::corrupt(
+                "claim_many of one claim did not answer once",
+            )),
+        }
+    }
 
     /// Claims each of `claims`, answering in the same order, each with the guarantee of
-    /// [`Backend::claim`]. The batch is not atomic as a whole. A store error fails the whole
-    /// call. The default loops over `claim`.
-    async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
-        let mut out = Vec::with_capacity(claims.len());
-        for claim in claims {
-            out.push(self.claim(claim).await?);
-        }
-        Ok(out)
-    }
+    /// [`Backend::claim`]: as if made one after another, so a key repeated in the batch is
+    /// answered from the state the earlier claim left. The batch is not atomic as a whole.
+    /// A store error fails the whole call.
+    async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>>;
 
     /// Marks the lease's key `Completed` with `response`, kept for `retention`. Succeeds
     /// only while the record is `Processing` with the lease's token; otherwise
     /// [`Error::Fenced`](crate::Error::Fenced) and nothing changes. A response over
     /// [`Capabilities::max_response_bytes`] is [`Error::TooLarge`](crate::Error::TooLarge).
-    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()>;
+    /// The default is [`Backend::settle_many`] of one.
+    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
+        settle_one(
+            self,
+            Settlement::complete(lease.clone(), response),
+            retention,
+        )
+        .await
+    }
 
     /// Marks the lease's key `Failed` with `error`, kept for `retention`: a later claim
     /// retries it while attempts are left, unless `kind` is permanent. Fenced like
-    /// [`Backend::complete`].
+    /// [`Backend::complete`]. The default is [`Backend::settle_many`] of one.
     async fn fail(
         &self,
         lease: &Lease,
         error: &str,
         kind: FailureKind,
         retention: Duration,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let item = Settlement::fail(lease.clone(), error, kind);
+        settle_one(self, item, retention).await
+    }
 
     /// Hands back a lease whose handler never started (a revoke, a shutdown): the attempt
     /// it counted is taken back and the lease lapses now, so the next claim takes the key
     /// over at once; the token stays. Only the holder of a live lease can release; a lapsed
     /// or superseded lease is [`Error::Fenced`](crate::Error::Fenced) and nothing changes.
-    async fn release(&self, lease: &Lease) -> Result<()>;
+    /// The default is [`Backend::settle_many`] of one.
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        settle_one(self, Settlement::release(lease.clone()), Duration::ZERO).await
+    }
 
     /// Settles each item as [`Backend::complete`], [`Backend::fail`] or
     /// [`Backend::release`] would, answering in the same order with what those calls made
     /// in turn would answer: `Ok`, [`Error::Fenced`](crate::Error::Fenced) or
-    /// [`Error::TooLarge`](crate::Error::TooLarge) per item. A key repeated in the batch is
-    /// answered from the state the earlier item left; one item's refusal never changes
-    /// another item's record. The batch is not atomic as a whole. A store error fails the
-    /// whole call (some items may have been written: each is safe to settle again, which
-    /// is then fenced or repeats the same write). The default loops over the single calls.
+    /// [`Error::TooLarge`](crate::Error::TooLarge) per item ([`per_item`] sorts them). A key
+    /// repeated in the batch is answered from the state the earlier item left; one item's
+    /// refusal never changes another item's record. The batch is not atomic as a whole. A
+    /// store error fails the whole call (some items may have been written: each is safe to
+    /// settle again, which is then fenced or repeats the same write). `retention` is what
+    /// completes and failures keep their record for; releases ignore it.
     async fn settle_many(
         &self,
         items: &[Settlement],
         retention: Duration,
-    ) -> Result<Vec<Result<()>>> {
-        let mut out = Vec::with_capacity(items.len());
-        for item in items {
-            let answer = match &item.settle {
-                Settle::Complete(response) => {
-                    self.complete(&item.lease, response.clone(), retention)
-                        .await
-                }
-                Settle::Fail { error, kind } => {
-                    self.fail(&item.lease, error, *kind, retention).await
-                }
-                Settle::Release => self.release(&item.lease).await,
-            };
-            match answer {
-                Ok(()) => out.push(Ok(())),
-                Err(e @ (Error::Fenced { .. } | Error::TooLarge { .. })) => out.push(Err(e)),
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(out)
-    }
+    ) -> Result<Vec<Result<()>>>;
 
     /// Extends the lease to `ttl` from the store's now, returning the new deadline. Fenced
     /// like [`Backend::complete`].
@@ -263,7 +316,7 @@ forward!(Box);
 ///
 /// ```
 /// let words = ["a", "b", "a", "c", "b"];
-/// let groups = idem_core::group_by(0..words.len(), |&i| words[i]);
+/// let groups = idem_core::backend::group_by(0..words.len(), |&i| words[i]);
 /// assert_eq!(groups, vec![vec![0, 2], vec![1, 4], vec![3]]);
 /// ```
 pub fn group_by<T, K: Hash + Eq>(
@@ -280,4 +333,62 @@ pub fn group_by<T, K: Hash + Eq>(
         groups[g].push(item);
     }
     groups
+}
+
+/// [`Backend::settle_many`] of one item, answered as the single call answers.
+async fn settle_one<B: Backend + ?Sized>(
+    backend: &B,
+    item: Settlement,
+    retention: Duration,
+) -> Result<()> {
+    let mut answers = backend
+        .settle_many(std::slice::from_ref(&item), retention)
+        .await?;
+    match (answers.pop(), answers.is_empty()) {
+        (Some(answer), true) => answer,
+        _ => Err(Error::corrupt(
+            "settle_many of one item did not answer once",
+        )),
+    }
+}
+
+/// One item's answer in a [`Backend::settle_many`]: what a single settle answered, sorted
+/// into the item's own refusal (`Ok(Err(..))`: [`Error::Fenced`](crate::Error::Fenced),
+/// [`Error::TooLarge`](crate::Error::TooLarge)) and a store error, which fails the whole
+/// call (`Err(..)`).
+pub fn per_item(answer: Result<()>) -> Result<Result<()>> {
+    match answer {
+        Ok(()) => Ok(Ok(())),
+        Err(e @ (Error::Fenced { .. } | Error::TooLarge { .. })) => Ok(Err(e)),
+        Err(e) => Err(e),
+    }
+}
+
+/// [`Error::TooLarge`](crate::Error::TooLarge) for a complete whose response is over
+/// `limit` bytes (a backend's [`Capabilities::max_response_bytes`]); `Ok` for anything
+/// else. Every backend checks this before it sends anything, so an oversized response
+/// costs no round trip and never reaches the store.
+pub fn check_response(settle: &Settle, limit: usize) -> Result<()> {
+    match settle {
+        Settle::Complete(response) if response.len() > limit => Err(Error::TooLarge {
+            what: "response",
+            size: response.len(),
+            limit,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The longest duration a backend sends its store, in milliseconds: a century, the cap of
+/// [`clock::capped`](crate::clock::capped). Every deadline a store computes from it (now
+/// plus a lease or a retention) stays exact in a Lua number (2^53) and in PostgreSQL's
+/// and DynamoDB's integers, and it fits an `i64` as it is.
+pub const MAX_MILLIS: u64 = 100 * 365 * 24 * 3600 * 1000;
+
+/// `d` in whole milliseconds, at most [`MAX_MILLIS`]: how every backend sends a lease
+/// length, a retention or a margin to its store.
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis())
+        .unwrap_or(u64::MAX)
+        .min(MAX_MILLIS)
 }
