@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Claim, ClaimOutcome, Settle, Settlement, check_response};
+use crate::backend::{Claim, ClaimOutcome, Settle, Settlement, handler_response};
 use crate::{
     Backend, Context, Error, FailureKind, Fingerprint, HandlerError, Key, Lease, Result, Timestamp,
 };
@@ -555,10 +555,9 @@ impl Engine {
         }
         let failure = match result {
             Ok(Ok(response)) => {
-                let settle = Settle::Complete(response);
-                match check_response(&settle, i.backend.capabilities().max_response_bytes) {
-                    Ok(()) => return Ran::Settle(settle),
-                    Err(too_large) => HandlerError::permanent(too_large),
+                match handler_response(response, i.backend.capabilities().max_response_bytes) {
+                    Ok(response) => return Ran::Settle(Settle::Complete(response)),
+                    Err(failure) => failure,
                 }
             }
             Ok(Err(e)) => e,

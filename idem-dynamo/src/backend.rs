@@ -13,9 +13,9 @@ use aws_sdk_dynamodb::config::Credentials;
 use aws_sdk_dynamodb::config::SharedHttpClient;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
 use aws_smithy_http_client::tls;
-use bytes::Bytes;
 use idem_core::backend::{
-    Capabilities, Claim, ClaimOutcome, ListFilter, Settle, Settlement, machine,
+    Capabilities, Claim, ClaimOutcome, ListFilter, Settle, Settlement, check_response, machine,
+    millis, per_item,
 };
 use idem_core::clock::{Clock, SystemClock};
 use idem_core::{Backend, Error, FailureKind, Key, Lease, Record, Result, State, Timestamp};
@@ -24,7 +24,7 @@ use crate::batch;
 use crate::config::DynamoConfig;
 use crate::error::{WriteError, sdk_error, write_error};
 use crate::expr;
-use crate::item::{self, Item, b, millis, n, s, secs_ceil};
+use crate::item::{self, Item, b, n, s, secs_ceil};
 use crate::requests::Requests;
 
 /// How many compare-and-set rounds a claim tries when its one-write form does not apply
@@ -339,10 +339,7 @@ impl DynamoBackend {
         match sent {
             Ok(_) => Ok(()),
             Err(err) => match write_error(what, size, err) {
-                WriteError::Condition(_) => Err(Error::Fenced {
-                    key: lease.key.clone(),
-                    token: lease.token,
-                }),
+                WriteError::Condition(_) => Err(Error::fenced(lease)),
                 WriteError::Other(e) => Err(e),
             },
         }
@@ -352,9 +349,9 @@ impl DynamoBackend {
     /// response or error text over `max_response_bytes`.
     async fn settle(&self, lease: &Lease, settle: &Settle, retention: Duration) -> Result<()> {
         let t = self.now();
+        check_response(settle, self.inner.config.max_response_bytes())?;
         let (what, write, values, size) = match settle {
             Settle::Complete(response) => {
-                self.fits("response", response.len())?;
                 let mut values = HashMap::from([
                     (":completed".to_owned(), s(State::Completed.as_str())),
                     (":resp".to_owned(), b(response.to_vec())),
@@ -395,7 +392,9 @@ impl DynamoBackend {
             .await
     }
 
-    /// `TooLarge` if `size` bytes of `what` exceed `max_response_bytes`.
+    /// `TooLarge` if an error text of `size` bytes exceeds `max_response_bytes`: a
+    /// response is checked by [`check_response`], like every backend's; DynamoDB's item
+    /// limit bounds the error text too.
     fn fits(&self, what: &'static str, size: usize) -> Result<()> {
         let limit = self.inner.config.max_response_bytes();
         if size > limit {
@@ -495,33 +494,6 @@ impl Backend for DynamoBackend {
         batch::in_key_order(claims, |c| &c.key, parallel, |c| self.claim(c)).await
     }
 
-    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        self.settle(lease, &Settle::Complete(response), retention)
-            .await
-    }
-
-    async fn fail(
-        &self,
-        lease: &Lease,
-        error: &str,
-        kind: FailureKind,
-        retention: Duration,
-    ) -> Result<()> {
-        let settle = Settle::Fail {
-            error: error.to_owned(),
-            kind,
-        };
-        self.settle(lease, &settle, retention).await
-    }
-
-    /// One conditional write, on the holder of a lease that is live as a claim by this
-    /// client judges it: its deadline is not yet the skew margin behind this client's clock.
-    /// The lease then lapses at that judging time, so that the next claim from this client
-    /// takes over at once.
-    async fn release(&self, lease: &Lease) -> Result<()> {
-        self.settle(lease, &Settle::Release, Duration::ZERO).await
-    }
-
     /// Conditional writes like [`Backend::complete`], [`Backend::fail`] and
     /// [`Backend::release`], at most `claim_parallelism` in flight; items of one key run one
     /// after another, in batch order.
@@ -535,13 +507,7 @@ impl Backend for DynamoBackend {
             items,
             |item| &item.lease.key,
             parallel,
-            |item| async move {
-                match self.settle(&item.lease, &item.settle, retention).await {
-                    Ok(()) => Ok(Ok(())),
-                    Err(e @ (Error::Fenced { .. } | Error::TooLarge { .. })) => Ok(Err(e)),
-                    Err(e) => Err(e),
-                }
-            },
+            |item| async move { per_item(self.settle(&item.lease, &item.settle, retention).await) },
         )
         .await
     }

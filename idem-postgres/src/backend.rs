@@ -11,7 +11,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::backend::watch::Feed;
 use idem_core::backend::{
-    Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, machine, watch::Watch,
+    Capabilities, Claim, ClaimOutcome, ListFilter, Settle, Settlement, check_response, machine,
+    watch::Watch,
 };
 use idem_core::{
     Backend, ClaimKind, Error, FailureKind, Fingerprint, Key, Lease, Record, Result, State,
@@ -82,7 +83,7 @@ pub struct PgBackend {
     /// the [`PLANNING`] settings for the handler's statements.
     pub(crate) begin: Arc<str>,
     schema: String,
-    max_response_bytes: usize,
+    pub(crate) max_response_bytes: usize,
     purge_batch: i64,
     pub(crate) timeout: Duration,
     /// The `LISTEN` feed of [`Backend::watch`], started by the first watch and shared by
@@ -183,18 +184,6 @@ impl PgBackend {
         let reset = sqlx::query("RESET search_path").execute(&mut *conn).await;
         ran?;
         reset.map_err(|e| map("migrate", e))?;
-        Ok(())
-    }
-
-    /// `TooLarge` for a response over `max_response_bytes`.
-    pub(crate) fn check_size(&self, response: &[u8]) -> Result<()> {
-        if response.len() > self.max_response_bytes {
-            return Err(Error::TooLarge {
-                what: "response",
-                size: response.len(),
-                limit: self.max_response_bytes,
-            });
-        }
         Ok(())
     }
 
@@ -503,10 +492,9 @@ fn inserted_at(c: &Claim, until_ms: i64) -> Timestamp {
     Timestamp::from_millis(until.saturating_sub(u64::try_from(millis(c.lease_ttl)).unwrap_or(0)))
 }
 
-/// A duration as whole milliseconds for SQL intervals, capped at about a century.
+/// [`idem_core::backend::millis`] as the `BIGINT` the statements bind (its cap fits).
 pub(crate) fn millis(d: Duration) -> i64 {
-    const CENTURY_MS: u128 = 100 * 365 * 24 * 3600 * 1000;
-    i64::try_from(d.as_millis().min(CENTURY_MS)).unwrap_or(i64::MAX)
+    i64::try_from(idem_core::backend::millis(d)).unwrap_or(i64::MAX)
 }
 
 /// The answer for a row the claim statement wrote.
@@ -592,13 +580,6 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record> {
 
 #[async_trait]
 impl Backend for PgBackend {
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
-        let mut answers = self.claim_many(std::slice::from_ref(claim)).await?;
-        answers
-            .pop()
-            .ok_or_else(|| Error::corrupt("claim returned no answer"))
-    }
-
     /// One statement per batch; answers are those of claims made one after another. A key
     /// repeated in the batch is answered from the record the statement left, unless the
     /// repeat could claim it, which takes one more statement.
@@ -606,8 +587,10 @@ impl Backend for PgBackend {
         self.claim_with(&self.sql.claim, claims).await
     }
 
+    /// One statement (`complete.sql`); the single settles below are simpler statements
+    /// than a batch of one, so they stay.
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        self.check_size(&response)?;
+        check_response(&Settle::Complete(response.clone()), self.max_response_bytes)?;
         let query = fenced(sqlx::query(self.sql.complete.sql()), lease)
             .bind(response.as_ref())
             .bind(millis(retention));
@@ -651,7 +634,7 @@ impl Backend for PgBackend {
         let row = self
             .timed("extend", query.fetch_optional(&self.pool))
             .await?;
-        let row = row.ok_or_else(|| fenced_error(lease))?;
+        let row = row.ok_or_else(|| Error::fenced(lease))?;
         let ms: i64 = row
             .try_get("lease_until_ms")
             .map_err(|e| map("extend", e))?;
@@ -744,17 +727,10 @@ pub(crate) fn token(lease: &Lease) -> i64 {
     i64::try_from(lease.token).unwrap_or(i64::MAX)
 }
 
-pub(crate) fn fenced_error(lease: &Lease) -> Error {
-    Error::Fenced {
-        key: lease.key.clone(),
-        token: lease.token,
-    }
-}
-
 pub(crate) fn check_fence(rows: u64, lease: &Lease) -> Result<()> {
     if rows == 1 {
         Ok(())
     } else {
-        Err(fenced_error(lease))
+        Err(Error::fenced(lease))
     }
 }

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
-use idem_core::backend::{Claim, ClaimOutcome, OffsetPosition, StoredOffset, TxFuture};
+use idem_core::backend::{
+    Claim, ClaimOutcome, OffsetPosition, StoredOffset, TxFuture, handler_response,
+};
 use idem_core::{Backend, Error, HandlerError, Lease, Outcome, Result, Transactional};
 use sqlx::Row;
 
@@ -32,10 +34,7 @@ impl PgBackend {
     /// over `max_response_bytes`, which is permanent).
     pub(crate) async fn run(&self, handler: TxFuture<'_>) -> Result<Bytes, HandlerError> {
         match AssertUnwindSafe(handler).catch_unwind().await {
-            Ok(Ok(response)) => match self.check_size(&response) {
-                Ok(()) => Ok(response),
-                Err(e) => Err(HandlerError::permanent(e)),
-            },
+            Ok(Ok(response)) => handler_response(response, self.max_response_bytes),
             Ok(Err(e)) => Err(e),
             Err(panic) => Err(HandlerError::panicked(panic.as_ref())),
         }

@@ -8,10 +8,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use idem_core::backend::watch::Feed;
-use idem_core::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, watch::Watch};
-use idem_core::{Backend, Error, FailureKind, Key, Lease, Record, Result, Timestamp};
+use idem_core::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, millis, watch::Watch,
+};
+use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
 use redis::cluster_routing::Slot;
 use redis::{RedisResult, Value};
 
@@ -22,16 +23,6 @@ use crate::keys::Layout;
 use crate::library::{Function, Library};
 use crate::record::{Fence, decode_record};
 use crate::reply::int;
-
-/// Durations are sent in milliseconds, at most about a century, so that every deadline
-/// stays exact in the Lua functions' numbers.
-const MAX_MILLIS: u64 = 100 * 365 * 24 * 3600 * 1000;
-
-pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis())
-        .unwrap_or(u64::MAX)
-        .min(MAX_MILLIS)
-}
 
 pub(crate) struct Shared {
     pub(crate) config: RedisConfig,
@@ -171,27 +162,6 @@ impl Backend for RedisBackend {
         self.claim_all(claims).await
     }
 
-    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        self.settle_one(Settlement::complete(lease.clone(), response), retention)
-            .await
-    }
-
-    async fn fail(
-        &self,
-        lease: &Lease,
-        error: &str,
-        kind: FailureKind,
-        retention: Duration,
-    ) -> Result<()> {
-        self.settle_one(Settlement::fail(lease.clone(), error, kind), retention)
-            .await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<()> {
-        self.settle_one(Settlement::release(lease.clone()), Duration::ZERO)
-            .await
-    }
-
     /// One function call for the whole batch standalone; in a cluster, one per slot, sent
     /// together. Oversized responses are refused here and never sent.
     async fn settle_many(
@@ -211,10 +181,7 @@ impl Backend for RedisBackend {
         let until = int(&until).ok_or_else(|| bad_reply("extend", format!("{until:?}")))?;
         u64::try_from(until)
             .map(Timestamp::from_millis)
-            .map_err(|_| Error::Fenced {
-                key: lease.key.clone(),
-                token: lease.token,
-            })
+            .map_err(|_| Error::fenced(lease))
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>> {

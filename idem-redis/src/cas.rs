@@ -12,11 +12,11 @@ use idem_core::{Lease, Result, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;
-use crate::backend::millis;
 use crate::conn::Conn;
 use crate::error::{bad_reply, from_redis};
 use crate::record::Held;
 use crate::settle::keeps_expiry;
+use idem_core::backend::millis;
 
 impl RedisBackend {
     /// Whether completes may try compare-and-set: a standalone server not known to lack it.

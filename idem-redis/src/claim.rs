@@ -10,12 +10,12 @@ use idem_core::{Result, State, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;
-use crate::backend::millis;
 use crate::conn::Conn;
 use crate::error::{bad_reply, from_redis};
 use crate::library::Function;
 use crate::record::{Fresh, decode_record};
 use crate::reply::{decode_outcome, int};
+use idem_core::backend::millis;
 
 impl RedisBackend {
     /// [`Backend::claim`](idem_core::Backend::claim): `claim_all`'s path for one key,

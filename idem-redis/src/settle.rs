@@ -6,12 +6,11 @@
 
 use std::time::Duration;
 
-use idem_core::backend::{Settle, Settlement};
+use idem_core::backend::{Settle, Settlement, check_response, millis};
 use idem_core::{Error, FailureKind, Lease, Result, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;
-use crate::backend::millis;
 use crate::error::bad_reply;
 use crate::library::Function;
 use crate::record::Fence;
@@ -35,9 +34,10 @@ impl RedisBackend {
         items: &[Settlement],
         retention: Duration,
     ) -> Result<Vec<Result<()>>> {
+        let limit = self.shared.config.max_response_bytes();
         let mut out: Vec<Option<Result<()>>> = items
             .iter()
-            .map(|item| self.check_size(&item.settle).err().map(Err))
+            .map(|item| check_response(&item.settle, limit).err().map(Err))
             .collect();
         let keys: Vec<String> = items
             .iter()
@@ -69,30 +69,16 @@ impl RedisBackend {
             .zip(futures::future::try_join_all(calls).await?)
         {
             for (&i, done) in group.iter().zip(done) {
-                out[i] = Some(if done { Ok(()) } else { Err(fenced(&items[i])) });
+                out[i] = Some(if done {
+                    Ok(())
+                } else {
+                    Err(Error::fenced(&items[i].lease))
+                });
             }
         }
         out.into_iter()
             .map(|a| a.ok_or_else(|| bad_reply("settle", "an item got no answer")))
             .collect()
-    }
-
-    /// A single settle: `Ok`, [`Error::TooLarge`] or [`Error::Fenced`]. `settle_all`'s
-    /// path for one item, without a batch's bookkeeping.
-    pub(crate) async fn settle_one(&self, item: Settlement, retention: Duration) -> Result<()> {
-        self.check_size(&item.settle)?;
-        let keys = [self.record_key(&item.lease.key)];
-        let items = std::slice::from_ref(&item);
-        if let Settle::Complete(_) = &item.settle {
-            if self.swap(&keys, items, &[0], retention).await?[..] == [true] {
-                return Ok(());
-            }
-        }
-        match self.settle_function(&keys, items, &[0], retention).await?[..] {
-            [true] => Ok(()),
-            [false] => Err(fenced(&item)),
-            _ => Err(bad_reply("settle", "an item got no answer")),
-        }
     }
 
     /// One settle function call for the items at `group`, all in one slot when in a
@@ -148,26 +134,5 @@ impl RedisBackend {
                 .collect(),
             other => Err(bad_reply("settle", format!("{other:?}"))),
         }
-    }
-
-    /// [`Error::TooLarge`] for a response over the configured limit.
-    fn check_size(&self, settle: &Settle) -> Result<()> {
-        let limit = self.shared.config.max_response_bytes();
-        match settle {
-            Settle::Complete(response) if response.len() > limit => Err(Error::TooLarge {
-                what: "response",
-                size: response.len(),
-                limit,
-            }),
-            _ => Ok(()),
-        }
-    }
-}
-
-/// The error of a settle whose lease no longer holds the record.
-fn fenced(item: &Settlement) -> Error {
-    Error::Fenced {
-        key: item.lease.key.clone(),
-        token: item.lease.token,
     }
 }

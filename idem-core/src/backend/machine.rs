@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::backend::Settle;
 use crate::backend::{Claim, ClaimOutcome};
 use crate::{ClaimKind, FailureKind, Lease, Record, State, Timestamp};
 
@@ -211,7 +212,7 @@ fn released(rec: &mut Record, now: Timestamp) {
 pub fn settle(
     current: Option<&Record>,
     lease: &Lease,
-    settle: &crate::backend::Settle,
+    settle: &Settle,
     retention: Duration,
     now: Timestamp,
 ) -> Option<Record> {
@@ -225,26 +226,26 @@ pub fn settle(
 pub fn settle_in_place(
     record: &mut Record,
     lease: &Lease,
-    settle: &crate::backend::Settle,
+    settle: &Settle,
     retention: Duration,
     now: Timestamp,
 ) -> bool {
     match settle {
-        crate::backend::Settle::Complete(response) => {
+        Settle::Complete(response) => {
             let held = holds(Some(record), lease, now);
             if held {
                 completed(record, response.clone(), retention, now);
             }
             held
         }
-        crate::backend::Settle::Fail { error, kind } => {
+        Settle::Fail { error, kind } => {
             let held = holds(Some(record), lease, now);
             if held {
                 failed(record, error, *kind, retention, now);
             }
             held
         }
-        crate::backend::Settle::Release => {
+        Settle::Release => {
             let held = may_release(record, lease, now);
             if held {
                 released(record, now);

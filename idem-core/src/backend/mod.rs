@@ -12,8 +12,8 @@
 //!   requests and answers [`Claim`], [`ClaimOutcome`], [`Settle`], [`Settlement`], and
 //!   what [`Engine::run_leased`](crate::Engine::run_leased) says, [`Ran`];
 //! - the checks every store makes alike, written once: [`check_response`],
-//!   [`millis`] (one cap, [`MAX_MILLIS`]), [`Error::fenced`](crate::Error::fenced),
-//!   [`per_item`], [`group_by`];
+//!   [`handler_response`], [`millis`] (one cap, [`MAX_MILLIS`]),
+//!   [`Error::fenced`](crate::Error::fenced), [`per_item`], [`group_by`];
 //! - the state machine as pure functions ([`machine`]), the reference model over it
 //!   ([`Model`]), change notifications ([`watch`]), drivers for tools that know only a URL
 //!   ([`driver`]);
@@ -48,7 +48,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{Error, FailureKind, Key, Lease, Record, Result, State, Timestamp};
+use crate::{Error, FailureKind, HandlerError, Key, Lease, Record, Result, State, Timestamp};
 
 pub mod driver;
 pub mod machine;
@@ -370,13 +370,30 @@ pub fn per_item(answer: Result<()>) -> Result<Result<()>> {
 /// costs no round trip and never reaches the store.
 pub fn check_response(settle: &Settle, limit: usize) -> Result<()> {
     match settle {
-        Settle::Complete(response) if response.len() > limit => Err(Error::TooLarge {
-            what: "response",
-            size: response.len(),
-            limit,
-        }),
+        Settle::Complete(response) if response.len() > limit => {
+            Err(too_large(response.len(), limit))
+        }
         _ => Ok(()),
     }
+}
+
+fn too_large(size: usize, limit: usize) -> Error {
+    Error::TooLarge {
+        what: "response",
+        size,
+        limit,
+    }
+}
+
+/// A handler's response as it may be stored: itself if it is at most `limit` bytes, else a
+/// permanent failure carrying [`check_response`]'s error (the side effect ran, so the key
+/// is not retried blindly). What the engine and a transactional store do with a response
+/// before they write it.
+pub fn handler_response(response: Bytes, limit: usize) -> Result<Bytes, HandlerError> {
+    if response.len() > limit {
+        return Err(HandlerError::permanent(too_large(response.len(), limit)));
+    }
+    Ok(response)
 }
 
 /// The longest duration a backend sends its store, in milliseconds: a century, the cap of
