@@ -74,7 +74,7 @@ impl DynamoBackend {
             .build();
         let mut loader = aws_config::defaults(BehaviorVersion::latest())
             .http_client(https_client())
-            .retry_config(RetryConfig::standard().with_max_attempts(config.max_attempts()))
+            .retry_config(RetryConfig::standard().with_max_attempts(config.sdk_attempts()))
             .timeout_config(timeouts);
         if let Some(region) = config.region() {
             loader = loader.region(Region::new(region.to_owned()));

@@ -90,7 +90,7 @@ impl Remote for Real {
             .with_connect_timeout(Duration::from_millis(300))
             .with_attempt_timeout(Duration::from_millis(300))
             .with_operation_timeout(Duration::from_secs(1))
-            .with_max_attempts(3);
+            .with_sdk_attempts(3);
         DynamoBackend::connect(config).await
     }
 

@@ -97,28 +97,27 @@ pub struct PgBackend {
 
 impl PgBackend {
     /// Connects a pool. Does not create tables: call [`PgBackend::migrate`] once.
-    pub async fn connect(mut config: PgConfig) -> Result<Self> {
-        // The field is public, so it may not have passed through the setter's cap.
-        config.connect_timeout = idem_core::clock::capped(config.connect_timeout);
-        if config.max_connections == 0 {
+    pub async fn connect(config: PgConfig) -> Result<Self> {
+        let connect_timeout = config.connect_timeout();
+        if config.max_connections() == 0 {
             // sqlx's pool would panic on it.
             return Err(Error::config("max_connections must be at least 1"));
         }
         let what = format!("connect to {}", config.redacted_url());
-        let options = PgConnectOptions::from_str(&config.url)
+        let options = PgConnectOptions::from_str(config.url())
             .map_err(|e| map(&what, e))?
-            .application_name(&config.application_name);
+            .application_name(config.application_name());
         // The first connection is bounded too: a server that accepts and never answers
         // is `Unavailable` after `connect_timeout`, not a hang.
-        let begin = tokio::time::timeout(config.connect_timeout, restoring_begin(&options, &what))
+        let begin = tokio::time::timeout(connect_timeout, restoring_begin(&options, &what))
             .await
             .map_err(|_| Error::Unavailable {
-                message: format!("{what}: no answer within {:?}", config.connect_timeout),
+                message: format!("{what}: no answer within {connect_timeout:?}"),
                 source: None,
             })??;
         let pool = PgPoolOptions::new()
-            .max_connections(config.max_connections)
-            .acquire_timeout(config.connect_timeout)
+            .max_connections(config.max_connections())
+            .acquire_timeout(connect_timeout)
             // No ping before every checkout: it doubles the round trips, and a dead
             // connection surfaces as `Unavailable` on its next statement anyway.
             .test_before_acquire(false)
@@ -144,9 +143,9 @@ impl PgBackend {
             sql: Arc::new(Statements::new(&schema)),
             begin: Arc::from("BEGIN"),
             schema,
-            max_response_bytes: config.max_response_bytes,
-            purge_batch: config.purge_batch.max(1),
-            timeout: idem_core::clock::capped(config.connect_timeout).saturating_mul(2),
+            max_response_bytes: config.max_response_bytes(),
+            purge_batch: config.purge_batch().max(1),
+            timeout: config.query_timeout(),
             feed: Arc::default(),
             fresh_batches: Arc::new(AtomicBool::new(true)),
         })
