@@ -3,7 +3,7 @@
 #![deny(missing_docs)]
 
 mod backend;
-mod batch;
+mod claim;
 mod config;
 mod driver;
 mod error;

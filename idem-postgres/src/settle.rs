@@ -8,7 +8,8 @@ use idem_core::{Error, FailureKind, Lease, Result};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::backend::{PgBackend, PgQuery, distinct_round, millis, sized, token};
+use crate::backend::{PgBackend, PgQuery, millis, sized, token};
+use crate::claim::distinct_round;
 use crate::error::map;
 
 /// The four arrays every batch statement that checks leases starts with: namespaces, ids,

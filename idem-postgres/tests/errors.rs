@@ -121,7 +121,10 @@ async fn a_timeout_of_duration_max_connects_and_claims() {
     let query = PgConfig::new(common::url())
         .with_schema(common::fresh_schema())
         .with_query_timeout(Duration::MAX);
-    assert_eq!(query.query_timeout(), idem_core::clock::capped(Duration::MAX));
+    assert_eq!(
+        query.query_timeout(),
+        idem_core::clock::capped(Duration::MAX)
+    );
     for config in [connect, query] {
         let backend = PgBackend::connect(config).await.expect("connect");
         backend.migrate().await.expect("migrate");
