@@ -111,6 +111,23 @@ fn rest(out: &mut impl Write, fingerprint: Option<&Fingerprint>, attempts: u32, 
     let _ = parts.iter().try_for_each(|part| out.write_all(part));
 }
 
+/// The bytes of a string reply.
+pub(crate) fn bytes(value: &Value) -> Option<&[u8]> {
+    match value {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+/// The number of an integer reply.
+pub(crate) fn int(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    }
+}
+
 /// The record `GET` returned for `key`, given the key's `PEXPIRETIME` read with it; `None`
 /// when there is none.
 pub(crate) fn decode_record(key: &Key, value: Value, expire: i64) -> Result<Option<Record>> {
