@@ -401,6 +401,33 @@ where
     Ok(out.into_iter().flatten().collect())
 }
 
+/// An SDK interceptor that counts every HTTP request sent, retries included.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Requests(Arc<AtomicU64>);
+
+impl Requests {
+    /// How many were sent so far.
+    pub(crate) fn sent(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl Intercept for Requests {
+    fn name(&self) -> &'static str {
+        "idem-dynamo request counter"
+    }
+
+    fn read_before_transmit(
+        &self,
+        _: &BeforeTransmitInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -541,32 +568,5 @@ mod tests_batch {
         )
         .await;
         assert!(matches!(out, Err(Error::Config { .. })), "{out:?}");
-    }
-}
-
-/// An SDK interceptor that counts every HTTP request sent, retries included.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Requests(Arc<AtomicU64>);
-
-impl Requests {
-    /// How many were sent so far.
-    pub(crate) fn sent(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-impl Intercept for Requests {
-    fn name(&self) -> &'static str {
-        "idem-dynamo request counter"
-    }
-
-    fn read_before_transmit(
-        &self,
-        _: &BeforeTransmitInterceptorContextRef<'_>,
-        _: &RuntimeComponents,
-        _: &mut ConfigBag,
-    ) -> Result<(), BoxError> {
-        self.0.fetch_add(1, Ordering::Relaxed);
-        Ok(())
     }
 }
