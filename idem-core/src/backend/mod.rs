@@ -22,12 +22,14 @@
 //! - [`async_trait`], which `Backend` is declared with.
 //!
 //! Types that a user's own code meets (a [`Lease`](crate::Lease) in a handler's
-//! [`Context`](crate::Context), a [`Record`](crate::Record) read back, [`Timestamp`](crate::Timestamp),
-//! [`State`](crate::State), [`ClaimKind`](crate::ClaimKind), [`FailureKind`](crate::FailureKind),
-//! [`Key`](crate::Key), [`Error`](crate::Error)) live at the root only: a backend imports
-//! them from there. One name has two paths: `Backend` is here, where it is documented,
-//! and at the root, because a user names it to pick a store at run time
-//! (`Arc<dyn Backend>` is what [`Engine::builder`](crate::Engine::builder) takes).
+//! [`Context`](crate::Context), a [`Record`](crate::Record) read back,
+//! [`Timestamp`](crate::Timestamp), [`State`](crate::State), [`ClaimKind`](crate::ClaimKind),
+//! [`FailureKind`](crate::FailureKind), [`Key`](crate::Key), [`Error`](crate::Error)) live at
+//! the root only: a backend imports them from there. One name has two paths: `Backend` is
+//! here, where it is documented, and at the root, because a user names it to pick a store
+//! at run time (`Arc<dyn Backend>` is what [`Engine::builder`](crate::Engine::builder)
+//! takes). `Claim` stays here although [`Engine::claim_for`](crate::Engine::claim_for)
+//! returns one: a user passes it on without naming it.
 //!
 //! # Batch calls first
 //!
@@ -37,9 +39,11 @@
 //! The engine settles through `settle_many` even for one message, and a consumer claims
 //! whole polls, so the batch is the path that has to be fast anyway; a store that answers
 //! one claim cheaper than a batch of one (a plain `SET NX`, one conditional write)
-//! overrides `claim`, as Redis, DynamoDB and the memory store do. A backend so writes one
-//! settle path instead of four, and a batch that loops over single calls (the old
-//! default) can no longer hide in a store whose batch is slow.
+//! overrides `claim`, as Redis, DynamoDB and the memory store do; PostgreSQL keeps its
+//! single-row settle statements, simpler than a batch of one. Nothing is slower than
+//! before: the engine's own calls were batch calls already. A backend so writes one settle
+//! path instead of four (the memory, Redis and DynamoDB stores dropped theirs), and a
+//! batch that loops over single calls (the old default) can no longer hide in a store.
 
 use std::collections::HashMap;
 use std::hash::Hash;
