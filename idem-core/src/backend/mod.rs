@@ -13,18 +13,18 @@
 //!   what [`Engine::run_leased`](crate::Engine::run_leased) says, [`Ran`];
 //! - the checks every store makes alike, written once: [`check_response`],
 //!   [`handler_response`], [`millis`] (one cap, [`MAX_MILLIS`]),
-//!   [`Error::fenced`](crate::Error::fenced), [`per_item`], [`group_by`];
+//!   [`Error::fenced`], [`per_item`], [`group_by`];
 //! - the state machine as pure functions ([`machine`]), the reference model over it
 //!   ([`Model`]), change notifications ([`watch`]), drivers for tools that know only a URL
 //!   ([`driver`]);
 //! - panics turned into failures ([`panic_at_poll`], [`panic_text`], [`Unwind`]) and
 //!   transactional mode's offsets ([`OffsetPosition`], [`StoredOffset`], [`TxFuture`]);
-//! - [`async_trait`], which `Backend` is declared with.
+//! - [`async_trait`](macro@async_trait), which `Backend` is declared with.
 //!
-//! Types that a user's own code meets (a [`Lease`](crate::Lease) in a handler's
-//! [`Context`](crate::Context), a [`Record`](crate::Record) read back,
-//! [`Timestamp`](crate::Timestamp), [`State`](crate::State), [`ClaimKind`](crate::ClaimKind),
-//! [`FailureKind`](crate::FailureKind), [`Key`](crate::Key), [`Error`](crate::Error)) live at
+//! Types that a user's own code meets (a [`Lease`] in a handler's
+//! [`Context`](crate::Context), a [`Record`] read back,
+//! [`Timestamp`], [`State`], [`ClaimKind`](crate::ClaimKind),
+//! [`FailureKind`], [`Key`], [`Error`]) live at
 //! the root only: a backend imports them from there. One name has two paths: `Backend` is
 //! here, where it is documented, and at the root, because a user names it to pick a store
 //! at run time (`Arc<dyn Backend>` is what [`Engine::builder`](crate::Engine::builder)
@@ -173,8 +173,8 @@ pub trait Backend: Send + Sync {
 
     /// Marks the lease's key `Completed` with `response`, kept for `retention`. Succeeds
     /// only while the record is `Processing` with the lease's token; otherwise
-    /// [`Error::Fenced`](crate::Error::Fenced) and nothing changes. A response over
-    /// [`Capabilities::max_response_bytes`] is [`Error::TooLarge`](crate::Error::TooLarge).
+    /// [`Error::Fenced`] and nothing changes. A response over
+    /// [`Capabilities::max_response_bytes`] is [`Error::TooLarge`].
     /// The default is [`Backend::settle_many`] of one.
     async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
         settle_one(
@@ -202,7 +202,7 @@ pub trait Backend: Send + Sync {
     /// Hands back a lease whose handler never started (a revoke, a shutdown): the attempt
     /// it counted is taken back and the lease lapses now, so the next claim takes the key
     /// over at once; the token stays. Only the holder of a live lease can release; a lapsed
-    /// or superseded lease is [`Error::Fenced`](crate::Error::Fenced) and nothing changes.
+    /// or superseded lease is [`Error::Fenced`] and nothing changes.
     /// The default is [`Backend::settle_many`] of one.
     async fn release(&self, lease: &Lease) -> Result<()> {
         settle_one(self, Settlement::release(lease.clone()), Duration::ZERO).await
@@ -210,8 +210,8 @@ pub trait Backend: Send + Sync {
 
     /// Settles each item as [`Backend::complete`], [`Backend::fail`] or
     /// [`Backend::release`] would, answering in the same order with what those calls made
-    /// in turn would answer: `Ok`, [`Error::Fenced`](crate::Error::Fenced) or
-    /// [`Error::TooLarge`](crate::Error::TooLarge) per item ([`per_item`] sorts them). A key
+    /// in turn would answer: `Ok`, [`Error::Fenced`] or
+    /// [`Error::TooLarge`] per item ([`per_item`] sorts them). A key
     /// repeated in the batch is answered from the state the earlier item left; one item's
     /// refusal never changes another item's record. The batch is not atomic as a whole. A
     /// store error fails the whole call (some items may have been written: each is safe to
@@ -357,8 +357,8 @@ async fn settle_one<B: Backend + ?Sized>(
 }
 
 /// One item's answer in a [`Backend::settle_many`]: what a single settle answered, sorted
-/// into the item's own refusal (`Ok(Err(..))`: [`Error::Fenced`](crate::Error::Fenced),
-/// [`Error::TooLarge`](crate::Error::TooLarge)) and a store error, which fails the whole
+/// into the item's own refusal (`Ok(Err(..))`: [`Error::Fenced`],
+/// [`Error::TooLarge`]) and a store error, which fails the whole
 /// call (`Err(..)`).
 pub fn per_item(answer: Result<()>) -> Result<Result<()>> {
     match answer {
@@ -368,7 +368,7 @@ pub fn per_item(answer: Result<()>) -> Result<Result<()>> {
     }
 }
 
-/// [`Error::TooLarge`](crate::Error::TooLarge) for a complete whose response is over
+/// [`Error::TooLarge`] for a complete whose response is over
 /// `limit` bytes (a backend's [`Capabilities::max_response_bytes`]); `Ok` for anything
 /// else. Every backend checks this before it sends anything, so an oversized response
 /// costs no round trip and never reaches the store.
