@@ -3,7 +3,11 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub use idem_core::*;
+pub use idem_core::{
+    Backend, BoxError, Bytes, ClaimKind, Context, Engine, EngineBuilder, Error, FailureKind,
+    Fingerprint, HandlerError, Key, Lease, MAX_ID_BYTES, MAX_NAMESPACE_BYTES, MemoryBackend,
+    Outcome, Record, Result, State, Timestamp, Transactional, WaitPolicy, backend, clock, layer,
+};
 
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

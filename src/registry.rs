@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::OnceLock;
 
 use idem_core::Result;
-use idem_core::driver::{Driver, MEMORY, Options, Store};
+use idem_core::backend::driver::{Driver, MEMORY, Options, Store};
 
 /// A backend this build knows of.
 #[derive(Clone, Copy)]

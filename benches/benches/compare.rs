@@ -14,8 +14,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use futures::future::join_all;
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
-use idem_once::driver::{Options, RawWrite, Store};
+use idem_core::backend::{Claim, ClaimOutcome};
+use idem_core::{Backend, Fingerprint, Key};
+use idem_once::backend::driver::{Options, RawWrite, Store};
 
 const RETENTION: Duration = Duration::from_secs(600);
 const CONCURRENCY: u64 = 16;

@@ -16,7 +16,8 @@ use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValuesOnConditionCheckFailure};
 use bytes::Bytes;
 use criterion::{Criterion, Throughput};
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key};
+use idem_core::backend::{Claim, ClaimOutcome};
+use idem_core::{Backend, Fingerprint, Key};
 use idem_dynamo::{DynamoBackend, DynamoConfig};
 
 const TABLE: &str = "idem_bench";

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use idem_core::{Backend, Claim, ClaimOutcome, Engine, Fingerprint, Key, MemoryBackend};
+use idem_core::backend::{Claim, ClaimOutcome};
+use idem_core::{Backend, Engine, Fingerprint, Key, MemoryBackend};
 
 const HOUR: Duration = Duration::from_secs(3600);
 

@@ -13,7 +13,8 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use futures::FutureExt;
 use futures::future::join_all;
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Transactional};
+use idem_core::backend::{Claim, ClaimOutcome};
+use idem_core::{Backend, Fingerprint, Key, Transactional};
 use idem_postgres::{OffsetPosition, PgBackend, PgConfig, PgTransaction};
 
 const HOUR: Duration = Duration::from_secs(3600);

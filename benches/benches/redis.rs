@@ -35,7 +35,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Settlement};
+use idem_core::backend::{Claim, ClaimOutcome, Settlement};
+use idem_core::{Backend, Fingerprint, Key};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::{ConnectionManager, MultiplexedConnection};
 

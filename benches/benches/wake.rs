@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idem_conformance::CallLog;
+use idem_core::backend::ClaimOutcome;
 use idem_core::layer::{BackendExt, Chaos, Fault};
-use idem_core::{Backend, ClaimOutcome, Engine, Key, Outcome, WaitPolicy};
+use idem_core::{Backend, Engine, Key, Outcome, WaitPolicy};
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
 

@@ -1,9 +1,9 @@
 //! Operator commands: inspect, list, release, delete, purge, migrate.
 
-use idem_core::{
-    ClaimKind, Error as CoreError, FailureKind, Key, Lease, ListFilter, Record, State,
-};
-use idem_core::{Timestamp, machine};
+use idem_core::Timestamp;
+use idem_core::backend::ListFilter;
+use idem_core::backend::machine;
+use idem_core::{ClaimKind, Error as CoreError, FailureKind, Key, Lease, Record, State};
 
 use crate::cli::{
     ChangeArgs, ChangeKeyArgs, InspectArgs, KeyArgs, ListArgs, ReleaseArgs, StateArg,
@@ -12,7 +12,7 @@ use crate::confirm::confirm;
 use crate::error::{Error, Result, StoreContext};
 use crate::show::{RecordView, record_text, records_table};
 use crate::target::Target;
-use idem_once::driver::{Options, Store};
+use idem_once::backend::driver::{Options, Store};
 
 pub(crate) async fn open(url: &str) -> Result<(Target, Box<dyn Store>)> {
     let target = Target::parse(url)?;

@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use idem_once::driver::{Driver, Options, Store, redact};
+use idem_once::backend::driver::{Driver, Options, Store, redact};
 use idem_once::{LookupError, drivers};
 
 use crate::error::{Error, Result, StoreContext};

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{Backend, ClaimKind, ClaimOutcome, Error, FailureKind, Settlement, State};
+use idem_core::backend::{ClaimOutcome, Settlement};
+use idem_core::{Backend, ClaimKind, Error, FailureKind, State};
 
 use crate::Factory;
 

@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::machine::lapsed_error;
+use idem_core::backend::machine::lapsed_error;
+use idem_core::backend::{ClaimOutcome, Settlement};
 use idem_core::{
-    Backend, ClaimKind, ClaimOutcome, Engine, Error, FailureKind, Fingerprint, Lease, Outcome,
-    Settlement, State, WaitPolicy,
+    Backend, ClaimKind, Engine, Error, FailureKind, Fingerprint, Lease, Outcome, State, WaitPolicy,
 };
 
 use crate::Factory;
@@ -260,7 +260,7 @@ pub async fn one_winner_replay<F: Factory>(f: &F) {
     let mut tasks = Vec::new();
     for i in 0u8..32 {
         let (backend, completes) = (Arc::clone(&backend), Arc::clone(&completes));
-        let claim = idem_core::Claim {
+        let claim = idem_core::backend::Claim {
             owner: format!("w{i}").into(),
             ..crate::claim_of(&key, "", fx.lease)
         };
@@ -320,7 +320,7 @@ pub async fn late_complete_without_takeover<F: Factory>(f: &F) {
 pub async fn tokens_monotonic<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let key = fx.key("tokens");
-    let claim = idem_core::Claim {
+    let claim = idem_core::backend::Claim {
         max_attempts: 10,
         ..fx.claim(&key, "a")
     };
@@ -416,7 +416,7 @@ pub async fn bounded_attempts_failures<F: Factory>(f: &F) {
 pub async fn bounded_attempts_lapses<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let key = fx.key("lapses");
-    let claim = idem_core::Claim {
+    let claim = idem_core::backend::Claim {
         max_attempts: 2,
         ..fx.claim(&key, "a")
     };
@@ -467,12 +467,12 @@ pub async fn fingerprint_mismatch<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let key = fx.key("fp");
     let same = fx.claim(&key, "a");
-    let other = idem_core::Claim {
+    let other = idem_core::backend::Claim {
         fingerprint: Some(Fingerprint::of(b"other payload")),
         owner: "b".into(),
         ..same.clone()
     };
-    let unchecked = idem_core::Claim {
+    let unchecked = idem_core::backend::Claim {
         fingerprint: None,
         owner: "c".into(),
         ..same.clone()
@@ -516,7 +516,7 @@ async fn mismatch_where_claimable<B: Backend>(fx: &crate::Fixture<B>) {
     fx.acquire(&fx.claim(&lapsed, "a")).await;
     fx.lapse().await;
     for key in [&failed, &lapsed] {
-        let other = idem_core::Claim {
+        let other = idem_core::backend::Claim {
             fingerprint: Some(Fingerprint::of(b"other payload")),
             ..fx.claim(key, "b")
         };
@@ -637,7 +637,7 @@ pub async fn claim_many_agrees<F: Factory>(f: &F) {
     b.fail(&l, "poison", FailureKind::Permanent, HOUR)
         .await
         .expect("fail");
-    let mismatch = idem_core::Claim {
+    let mismatch = idem_core::backend::Claim {
         fingerprint: Some(Fingerprint::of(b"different")),
         ..fx.claim(&other, "z")
     };
@@ -751,7 +751,7 @@ pub async fn engine_executes_once<F: Factory>(f: &F) {
 pub async fn list_records<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let b = &fx.backend;
-    let filter = idem_core::ListFilter {
+    let filter = idem_core::backend::ListFilter {
         namespace: Some(fx.namespace.clone()),
         state: Some(State::Processing),
         limit: 0,
@@ -773,14 +773,14 @@ pub async fn list_records<F: Factory>(f: &F) {
         .collect();
     ids.sort();
     assert_eq!(ids, ["l1", "l2", "l3"]);
-    let done = idem_core::ListFilter {
+    let done = idem_core::backend::ListFilter {
         state: Some(State::Completed),
         ..filter.clone()
     };
     let listed = b.list(&done).await.expect("list");
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].response, Some(Bytes::from_static(b"x")));
-    let two = idem_core::ListFilter { limit: 2, ..filter };
+    let two = idem_core::backend::ListFilter { limit: 2, ..filter };
     assert_eq!(b.list(&two).await.expect("list").len(), 2);
 }
 

@@ -86,7 +86,7 @@ impl Around for CallLog {
         .boxed()
     }
 
-    fn watch(&self, _key: &idem_core::Key) -> Option<idem_core::watch::Watch> {
+    fn watch(&self, _key: &idem_core::Key) -> Option<idem_core::backend::watch::Watch> {
         self.watches.fetch_add(1, Ordering::Relaxed);
         None
     }

@@ -9,9 +9,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use idem_core::{
-    Backend, ClaimKind, ClaimOutcome, Error, FailureKind, Key, Lease, Result, Settlement, Timestamp,
-};
+use idem_core::backend::{ClaimOutcome, Settlement};
+use idem_core::{Backend, ClaimKind, Error, FailureKind, Key, Lease, Result, Timestamp};
 
 use crate::{Factory, Remote};
 

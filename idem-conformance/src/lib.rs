@@ -13,8 +13,9 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use idem_core::backend::{Claim, ClaimOutcome};
 use idem_core::clock::ManualClock;
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Lease, Result};
+use idem_core::{Backend, Fingerprint, Key, Lease, Result};
 
 pub use counting::{CallLog, Counting};
 pub use property::model_agreement;

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use idem_core::backend::{Claim, ClaimOutcome, Model, Settle, Settlement};
 use idem_core::{
-    Backend, Claim, ClaimKind, ClaimOutcome, Error, FailureKind, Fingerprint, Key, Lease, Model,
-    Record, Settle, Settlement, State, Timestamp,
+    Backend, ClaimKind, Error, FailureKind, Fingerprint, Key, Lease, Record, State, Timestamp,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};

@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use idem_core::backend::ClaimOutcome;
 use idem_core::clock::Clock;
 use idem_core::layer::{BackendExt, Chaos, Fault};
 use idem_core::{
-    Backend, ClaimOutcome, Engine, Error, HandlerError, Key, MemoryBackend, Outcome, State,
-    Timestamp, WaitPolicy,
+    Backend, Engine, Error, HandlerError, Key, MemoryBackend, Outcome, State, Timestamp, WaitPolicy,
 };
 use tokio::time::{Instant, sleep};
 

@@ -12,9 +12,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
+use crate::backend::{Claim, ClaimOutcome, Settle, Settlement, handler_response};
 use crate::{
-    Backend, Claim, ClaimOutcome, Context, Error, FailureKind, Fingerprint, HandlerError, Key,
-    Lease, Result, Settle, Settlement, Timestamp,
+    Backend, Context, Error, FailureKind, Fingerprint, HandlerError, Key, Lease, Result, Timestamp,
 };
 
 /// What to do when a claim finds another worker's live lease.
@@ -25,7 +25,7 @@ pub enum WaitPolicy {
     Return,
     /// Wait for the holder to settle, for up to `max`, then answer
     /// [`Outcome::InProgress`]. On a backend that notifies ([`Backend::watch`],
-    /// [`Capabilities::notify`](crate::Capabilities::notify)) the claim is asked again as
+    /// [`Capabilities::notify`](crate::backend::Capabilities::notify)) the claim is asked again as
     /// soon as the key is settled, and every `poll` in case a notification was lost; on
     /// one that does not, it polls, backing off from `poll / 4` up to `poll`. Either way it
     /// asks again when the holder's lease is due to lapse.
@@ -303,8 +303,9 @@ impl Engine {
         self.inner.wait
     }
 
-    /// Whether claims carry the payload's fingerprint.
-    pub fn fingerprint(&self) -> bool {
+    /// Whether claims carry the payload's fingerprint, so that another payload under a
+    /// known key is [`Outcome::Mismatch`] (set by [`EngineBuilder::fingerprint`]).
+    pub fn checks_fingerprints(&self) -> bool {
         self.inner.fingerprint
     }
 
@@ -345,7 +346,7 @@ impl Engine {
     {
         let claim = self.claim_for(key, payload);
         let answer = self.claim_waiting(&claim).await?;
-        self.settle(answer, handler).await
+        self.execute_claimed(answer, handler).await
     }
 
     /// [`Engine::execute`] for a handler whose response is any serde type, stored as JSON.
@@ -377,9 +378,10 @@ impl Engine {
         })
     }
 
-    /// Acts on a claim's answer: runs the handler under an acquired lease and stores its
-    /// result, or turns any other answer into its [`Outcome`].
-    pub async fn settle<F, Fut>(&self, answer: ClaimOutcome, handler: F) -> Result<Outcome>
+    /// [`Engine::execute`] after its claim: given a claim's answer, runs the handler under
+    /// an acquired lease and stores its result, or turns any other answer into its
+    /// [`Outcome`].
+    pub async fn execute_claimed<F, Fut>(&self, answer: ClaimOutcome, handler: F) -> Result<Outcome>
     where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Result<Bytes, HandlerError>> + Send,
@@ -519,7 +521,7 @@ impl Engine {
         }
         let signal = CancellationToken::new();
         let ctx = Context::new(lease.clone(), signal.clone());
-        let work = AssertUnwindSafe(crate::panic_at_poll(|| handler(ctx)));
+        let work = AssertUnwindSafe(crate::backend::panic_at_poll(|| handler(ctx)));
         let work = work.catch_unwind();
         tokio::pin!(work);
         // A handler that finishes at its first poll needs no heartbeat timer.
@@ -553,15 +555,10 @@ impl Engine {
         }
         let failure = match result {
             Ok(Ok(response)) => {
-                let limit = i.backend.capabilities().max_response_bytes;
-                if response.len() <= limit {
-                    return Ran::Settle(Settle::Complete(response));
+                match handler_response(response, i.backend.capabilities().max_response_bytes) {
+                    Ok(response) => return Ran::Settle(Settle::Complete(response)),
+                    Err(failure) => failure,
                 }
-                HandlerError::permanent(Error::TooLarge {
-                    what: "response",
-                    size: response.len(),
-                    limit,
-                })
             }
             Ok(Err(e)) => e,
             Err(panic) => HandlerError::panicked(panic.as_ref()),

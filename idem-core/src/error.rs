@@ -1,6 +1,6 @@
 //! The error type shared by every backend.
 
-use crate::Key;
+use crate::{Key, Lease};
 
 /// A boxed error kept as the source of an [`Error`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -91,6 +91,15 @@ impl Error {
         Error::Unavailable {
             message: message.into(),
             source: Some(source.into()),
+        }
+    }
+
+    /// The [`Error::Fenced`] of `lease`: what a settle or an extend answers when the lease
+    /// no longer holds its record.
+    pub fn fenced(lease: &Lease) -> Self {
+        Error::Fenced {
+            key: lease.key.clone(),
+            token: lease.token,
         }
     }
 

@@ -124,7 +124,7 @@ impl fmt::Debug for Key {
 }
 
 /// A SHA-256 digest of a payload, fixed at the first claim of a key so that a different
-/// payload under the same key is answered [`Mismatch`](crate::ClaimOutcome::Mismatch).
+/// payload under the same key is answered [`Mismatch`](crate::backend::ClaimOutcome::Mismatch).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint(pub [u8; 32]);
 

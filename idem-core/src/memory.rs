@@ -8,14 +8,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 
-use crate::clock::{Clock, SystemClock};
-use crate::watch::{self, Watchers};
-use crate::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Settle, Settlement, Timestamp, Watch, machine,
+use crate::backend::watch::{self, Watch, Watchers};
+use crate::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, check_response, machine,
 };
+use crate::clock::{Clock, SystemClock};
+use crate::{Backend, Error, Key, Lease, Record, Result, Timestamp};
 
 /// A fast, randomly seeded hash: keys come from outside, so the seed guards against
 /// collision floods, and SipHash's extra strength costs more than the rest of a claim.
@@ -25,7 +24,7 @@ type Shard = Mutex<HashMap<Key, Record, Hasher>>;
 
 /// Records in process memory, lost when the process ends.
 ///
-/// Every operation runs [`machine`](crate::machine)'s transition under the lock of the
+/// Every operation runs [`machine`](crate::backend::machine)'s transition under the lock of the
 /// key's shard, so it is atomic. Time comes from an injectable [`Clock`].
 #[derive(Debug, Clone)]
 pub struct MemoryBackend {
@@ -104,39 +103,17 @@ impl MemoryBackend {
     ) -> Result<Option<Timestamp>> {
         let now = self.clock.now();
         let mut shard = self.shard(&lease.key);
-        let fenced = || Error::Fenced {
-            key: lease.key.clone(),
-            token: lease.token,
-        };
+        let fenced = || Error::fenced(lease);
         // `holds` already requires a record, so a fenced step never needs an insert.
         let slot = shard.get_mut(&lease.key).ok_or_else(fenced)?;
         *slot = step(Some(slot), now).ok_or_else(fenced)?;
         Ok(slot.lease_until)
     }
 
-    /// Wakes the waiters on `key` after a settle answered `Ok`.
-    fn settled<T>(&self, key: &Key, res: Result<T>) -> Result<()> {
-        if res.is_ok() {
-            self.wake(key);
-        }
-        res.map(drop)
-    }
-
     fn wake(&self, key: &Key) {
         if !self.watchers.is_idle() {
             self.watchers.notify(&watch::topic(key));
         }
-    }
-
-    fn check_size(&self, response: &Bytes) -> Result<()> {
-        if response.len() > self.max_response_bytes {
-            return Err(Error::TooLarge {
-                what: "response",
-                size: response.len(),
-                limit: self.max_response_bytes,
-            });
-        }
-        Ok(())
     }
 
     /// Claims at `now` under the shard's lock: the transition, and its write if any. The
@@ -163,19 +140,14 @@ impl MemoryBackend {
 
     /// Settles one item at `now`, in place under the shard's lock.
     fn settle_at(&self, item: &Settlement, retention: Duration, now: Timestamp) -> Result<()> {
-        if let Settle::Complete(response) = &item.settle {
-            self.check_size(response)?;
-        }
+        check_response(&item.settle, self.max_response_bytes)?;
         let lease = &item.lease;
         let held = self
             .shard(&lease.key)
             .get_mut(&lease.key)
             .is_some_and(|rec| machine::settle_in_place(rec, lease, &item.settle, retention, now));
         if !held {
-            return Err(Error::Fenced {
-                key: lease.key.clone(),
-                token: lease.token,
-            });
+            return Err(Error::fenced(lease));
         }
         self.wake(&lease.key);
         Ok(())
@@ -199,32 +171,6 @@ impl Backend for MemoryBackend {
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
         let now = self.clock.now();
         Ok(claims.iter().map(|c| self.claim_at(c, now)).collect())
-    }
-
-    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        self.check_size(&response)?;
-        let res = self.update(lease, |cur, now| {
-            machine::complete(cur, lease, response, retention, now)
-        });
-        self.settled(&lease.key, res)
-    }
-
-    async fn fail(
-        &self,
-        lease: &Lease,
-        error: &str,
-        kind: FailureKind,
-        retention: Duration,
-    ) -> Result<()> {
-        let res = self.update(lease, |cur, now| {
-            machine::fail(cur, lease, error, kind, retention, now)
-        });
-        self.settled(&lease.key, res)
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<()> {
-        let res = self.update(lease, |cur, now| machine::release(cur, lease, now));
-        self.settled(&lease.key, res)
     }
 
     /// In turn, as separate calls would, without a future per item, at one reading of the

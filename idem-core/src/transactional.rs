@@ -8,7 +8,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 
-use crate::{Backend, Claim, HandlerError, Lease, Outcome, Result};
+use crate::backend::Claim;
+use crate::{Backend, HandlerError, Lease, Outcome, Result};
 
 /// What a transactional handler's future resolves to.
 pub type TxFuture<'t> = BoxFuture<'t, Result<Bytes, HandlerError>>;

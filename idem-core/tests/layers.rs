@@ -6,12 +6,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use idem_core::backend::{Claim, ClaimOutcome, Settlement};
 use idem_core::layer::{
     Around, BackendExt, Call, Chaos, Fault, Layered, Observe, RetryLayer, TimeoutLayer,
 };
-use idem_core::{
-    Backend, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, MemoryBackend, Settlement, State,
-};
+use idem_core::{Backend, Error, FailureKind, Key, Lease, MemoryBackend, State};
 
 const HOUR: Duration = Duration::from_secs(3600);
 

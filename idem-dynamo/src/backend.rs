@@ -1,7 +1,14 @@
 //! [`DynamoBackend`]: the state machine as conditional writes on one item per key.
+//!
+//! Batches run as concurrent single writes, each key's items in order (`in_key_order`);
+//! every request the client sends is counted (`Requests`). Claims are in `claim.rs`,
+//! settles in `settle.rs`.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::hash::Hash;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -9,30 +16,27 @@ use aws_config::retry::RetryConfig;
 use aws_config::timeout::TimeoutConfig;
 use aws_config::{BehaviorVersion, Region};
 use aws_sdk_dynamodb::Client;
-use aws_sdk_dynamodb::config::Credentials;
-use aws_sdk_dynamodb::config::SharedHttpClient;
-use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
-use aws_smithy_http_client::tls;
-use bytes::Bytes;
-use idem_core::clock::{Clock, SystemClock};
-use idem_core::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Settle, Settlement, State, Timestamp, machine,
+use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
+use aws_sdk_dynamodb::config::{
+    ConfigBag, Credentials, Intercept, RuntimeComponents, SharedHttpClient,
 };
+use aws_sdk_dynamodb::error::BoxError;
+use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
+use aws_smithy_http_client::tls;
+use futures::{StreamExt, TryStreamExt, stream};
+use idem_core::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, group_by, machine, millis, per_item,
+};
+use idem_core::clock::{Clock, SystemClock};
+use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
 
-use crate::batch;
 use crate::config::DynamoConfig;
 use crate::error::{WriteError, sdk_error, write_error};
-use crate::expr;
-use crate::item::{self, Item, b, millis, n, s, secs_ceil};
-use crate::requests::Requests;
-
-/// How many compare-and-set rounds a claim tries when its one-write form does not apply
-/// and other writers keep changing the item, before it answers [`Error::Unavailable`].
-const CAS_ROUNDS: usize = 8;
+use crate::item::{Item, n, s, secs_ceil};
+use crate::{expr, item};
 
 /// Bytes an item carries besides its key, response or error text (names, numbers, owner).
-const ITEM_OVERHEAD: usize = 512;
+pub(crate) const ITEM_OVERHEAD: usize = 512;
 
 /// Idempotency records in a DynamoDB table, one item per key.
 ///
@@ -42,13 +46,13 @@ const ITEM_OVERHEAD: usize = 512;
 /// the configured skew margin. Cheap to clone: clones share one client.
 #[derive(Clone, Debug)]
 pub struct DynamoBackend {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 #[derive(Debug)]
-struct Inner {
-    client: Client,
-    config: DynamoConfig,
+pub(crate) struct Inner {
+    pub(crate) client: Client,
+    pub(crate) config: DynamoConfig,
     clock: Arc<dyn Clock>,
     requests: Requests,
 }
@@ -56,9 +60,9 @@ struct Inner {
 /// The two readings of the clock every operation takes: `now` sets deadlines, `decide`
 /// (now minus the skew margin) judges whether deadlines have passed.
 #[derive(Clone, Copy, Debug)]
-struct Now {
-    now: Timestamp,
-    decide: Timestamp,
+pub(crate) struct Now {
+    pub(crate) now: Timestamp,
+    pub(crate) decide: Timestamp,
 }
 
 impl DynamoBackend {
@@ -74,7 +78,7 @@ impl DynamoBackend {
             .build();
         let mut loader = aws_config::defaults(BehaviorVersion::latest())
             .http_client(https_client())
-            .retry_config(RetryConfig::standard().with_max_attempts(config.max_attempts()))
+            .retry_config(RetryConfig::standard().with_max_attempts(config.sdk_attempts()))
             .timeout_config(timeouts);
         if let Some(region) = config.region() {
             loader = loader.region(Region::new(region.to_owned()));
@@ -155,7 +159,7 @@ impl DynamoBackend {
         self.inner.config.table()
     }
 
-    fn now(&self) -> Now {
+    pub(crate) fn now(&self) -> Now {
         let now = self.inner.clock.now();
         let skew = millis(self.inner.config.clock_skew());
         Now {
@@ -164,253 +168,8 @@ impl DynamoBackend {
         }
     }
 
-    /// [`machine::claim`] judged at `t.decide`, with the deadlines it writes and reports
-    /// moved to `t.now`: a lease lapses for this client only once its clock is the skew
-    /// margin past the deadline, and `InProgress` says when that will be.
-    fn decide(
-        &self,
-        current: Option<&Record>,
-        claim: &Claim,
-        t: Now,
-    ) -> (ClaimOutcome, Option<Record>) {
-        let (mut answer, mut next) = machine::claim(current, claim, t.decide);
-        let skew = t.now.since(t.decide);
-        let shift = |at: &mut Timestamp| *at = at.saturating_add(skew);
-        match &mut answer {
-            ClaimOutcome::Acquired(lease) => shift(&mut lease.lease_until),
-            ClaimOutcome::InProgress { lease_until, .. } => shift(lease_until),
-            _ => {}
-        }
-        if let Some(rec) = &mut next {
-            for at in [&mut rec.lease_until, &mut rec.expires_at]
-                .into_iter()
-                .flatten()
-            {
-                shift(at);
-            }
-        }
-        (answer, next)
-    }
-
-    fn key_value(key: &Key) -> HashMap<String, AttributeValue> {
+    pub(crate) fn key_value(key: &Key) -> HashMap<String, AttributeValue> {
         HashMap::from([(item::PK.to_owned(), s(item::partition_key(key)))])
-    }
-
-    /// The one-write claim. `Ok(Ok(answer))` when it was granted; `Ok(Err(item))` with the
-    /// item DynamoDB returned when its condition failed.
-    ///
-    /// The condition may refuse more than [`machine::claim`] would (the caller then decides
-    /// from the returned item with the machine itself: a round trip more, never another
-    /// answer), but never less: a grant the machine would not give is reported as
-    /// [`Error::Corrupt`] instead of answered.
-    async fn claim_once(&self, claim: &Claim, t: Now) -> Result<Result<ClaimOutcome, Item>> {
-        let lease = t.now.saturating_add(claim.lease_ttl);
-        let ret = millis(claim.retention);
-        let exp = lease.saturating_add(claim.retention).as_millis();
-        let (condition, update) = match claim.fingerprint {
-            Some(_) => (expr::CLAIM_CONDITION_FP, expr::CLAIM_UPDATE_FP),
-            None => (expr::CLAIM_CONDITION, expr::CLAIM_UPDATE),
-        };
-        let mut values = HashMap::from([
-            (":now".to_owned(), n(t.decide.as_millis())),
-            (":max".to_owned(), n(u64::from(claim.max_attempts.max(1)))),
-            (":failed".to_owned(), s(State::Failed.as_str())),
-            (":processing".to_owned(), s(State::Processing.as_str())),
-            (":true".to_owned(), AttributeValue::Bool(true)),
-            (":owner".to_owned(), s(&*claim.owner)),
-            (":zero".to_owned(), n(0)),
-            (":one".to_owned(), n(1)),
-            (":lease".to_owned(), n(lease.as_millis())),
-            (":ret".to_owned(), n(ret)),
-            (":ret_s".to_owned(), n(secs_ceil(ret))),
-            (":exp".to_owned(), n(exp)),
-            (":ttl".to_owned(), n(secs_ceil(exp))),
-            (":v".to_owned(), n(item::new_version())),
-        ]);
-        if let Some(fp) = claim.fingerprint {
-            values.insert(":fp".to_owned(), b(fp.0.to_vec()));
-        }
-        let sent = self
-            .inner
-            .client
-            .update_item()
-            .table_name(self.table())
-            .set_key(Some(Self::key_value(&claim.key)))
-            .condition_expression(condition)
-            .update_expression(update)
-            .set_expression_attribute_names(Some(expr::names(&[condition, update])))
-            .set_expression_attribute_values(Some(values))
-            .return_values(ReturnValue::AllOld)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        let old = match sent {
-            Ok(out) => out.attributes.filter(|a| !a.is_empty()),
-            Err(err) => {
-                return match write_error("claim", ITEM_OVERHEAD, err) {
-                    WriteError::Condition(Some(item)) => Ok(Err(item)),
-                    WriteError::Condition(None) => Err(Error::corrupt(format!(
-                        "claim of {}: the condition failed but DynamoDB returned no item",
-                        claim.key
-                    ))),
-                    WriteError::Other(e) => Err(e),
-                };
-            }
-        };
-        let old = old.as_ref().map(item::decode).transpose()?;
-        match self.decide(old.as_ref(), claim, t) {
-            (answer @ ClaimOutcome::Acquired(_), _) => Ok(Ok(answer)),
-            (answer, _) => Err(Error::corrupt(format!(
-                "claim of {}: DynamoDB granted a claim the state machine answers {answer:?} \
-                 (record {old:?})",
-                claim.key
-            ))),
-        }
-    }
-
-    /// Writes `next` in place of the item the client decided from (`expected`, or none),
-    /// only if that item is unchanged. `Err(item)`: it changed, here is what it is now.
-    async fn put_if_unchanged(
-        &self,
-        next: &Record,
-        expected: Option<&Item>,
-    ) -> Result<Result<(), Option<Item>>> {
-        let mut values = HashMap::new();
-        let condition = match expected {
-            Some(old) => {
-                values.insert(":v".to_owned(), n(item::version(old)?));
-                expr::UNCHANGED
-            }
-            None => expr::ABSENT,
-        };
-        let written = item::encode(next, item::new_version());
-        let size = next.error.as_ref().map_or(0, String::len) + ITEM_OVERHEAD;
-        let sent = self
-            .inner
-            .client
-            .put_item()
-            .table_name(self.table())
-            .set_item(Some(written))
-            .condition_expression(condition)
-            .set_expression_attribute_names(Some(expr::names(&[condition])))
-            .set_expression_attribute_values((!values.is_empty()).then_some(values))
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        match sent {
-            Ok(_) => Ok(Ok(())),
-            Err(err) => match write_error("claim", size, err) {
-                WriteError::Condition(item) => Ok(Err(item)),
-                WriteError::Other(e) => Err(e),
-            },
-        }
-    }
-
-    /// A fencing `UpdateItem`: `update` applies only while `lease` holds the record as
-    /// `condition` ([`expr::HOLDS`] or [`expr::HOLDS_LIVE`]) judges it.
-    async fn fenced_update(
-        &self,
-        what: &'static str,
-        lease: &Lease,
-        (condition, update): (&'static str, &'static str),
-        mut values: HashMap<String, AttributeValue>,
-        size: usize,
-        t: Now,
-    ) -> Result<()> {
-        values.extend([
-            (":tok".to_owned(), n(lease.token)),
-            (":owner".to_owned(), s(&*lease.owner)),
-            (":processing".to_owned(), s(State::Processing.as_str())),
-            (":now".to_owned(), n(t.decide.as_millis())),
-            (":v".to_owned(), n(item::new_version())),
-        ]);
-        let sent = self
-            .inner
-            .client
-            .update_item()
-            .table_name(self.table())
-            .set_key(Some(Self::key_value(&lease.key)))
-            .condition_expression(condition)
-            .update_expression(update)
-            .set_expression_attribute_names(Some(expr::names(&[condition, update])))
-            .set_expression_attribute_values(Some(values))
-            .send()
-            .await;
-        match sent {
-            Ok(_) => Ok(()),
-            Err(err) => match write_error(what, size, err) {
-                WriteError::Condition(_) => Err(Error::Fenced {
-                    key: lease.key.clone(),
-                    token: lease.token,
-                }),
-                WriteError::Other(e) => Err(e),
-            },
-        }
-    }
-
-    /// `settle` of `lease` as one fencing `UpdateItem`; `TooLarge` before any request for a
-    /// response or error text over `max_response_bytes`.
-    async fn settle(&self, lease: &Lease, settle: &Settle, retention: Duration) -> Result<()> {
-        let t = self.now();
-        let (what, write, values, size) = match settle {
-            Settle::Complete(response) => {
-                self.fits("response", response.len())?;
-                let mut values = HashMap::from([
-                    (":completed".to_owned(), s(State::Completed.as_str())),
-                    (":resp".to_owned(), b(response.to_vec())),
-                ]);
-                values.extend(Self::expiry(retention, t));
-                let write = (expr::HOLDS, expr::COMPLETE);
-                ("complete", write, values, response.len())
-            }
-            Settle::Fail { error, kind } => {
-                self.fits("error text", error.len())?;
-                let mut values = HashMap::from([
-                    (":failed".to_owned(), s(State::Failed.as_str())),
-                    (":err".to_owned(), s(error.as_str())),
-                ]);
-                values.extend(Self::expiry(retention, t));
-                let update = match kind {
-                    FailureKind::Retry => expr::FAIL,
-                    FailureKind::Permanent => {
-                        values.insert(":true".to_owned(), AttributeValue::Bool(true));
-                        expr::FAIL_PERMANENT
-                    }
-                };
-                ("fail", (expr::HOLDS, update), values, error.len())
-            }
-            Settle::Release => {
-                // The lease lapses at the time claims judge by, the expiry keeps its
-                // distance to the lease deadline.
-                let until = t.decide.as_millis();
-                let values = HashMap::from([
-                    (":one".to_owned(), n(1)),
-                    (":lease".to_owned(), n(until)),
-                    (":lease_s".to_owned(), n(secs_ceil(until))),
-                ]);
-                ("release", (expr::HOLDS_LIVE, expr::RELEASE), values, 0)
-            }
-        };
-        self.fenced_update(what, lease, write, values, size + ITEM_OVERHEAD, t)
-            .await
-    }
-
-    /// `TooLarge` if `size` bytes of `what` exceed `max_response_bytes`.
-    fn fits(&self, what: &'static str, size: usize) -> Result<()> {
-        let limit = self.inner.config.max_response_bytes();
-        if size > limit {
-            return Err(Error::TooLarge { what, size, limit });
-        }
-        Ok(())
-    }
-
-    /// `:exp` and `:ttl` for a record kept `retention` from `t.now`.
-    fn expiry(retention: Duration, t: Now) -> [(String, AttributeValue); 2] {
-        let exp = t.now.saturating_add(retention).as_millis();
-        [
-            (":exp".to_owned(), n(exp)),
-            (":ttl".to_owned(), n(secs_ceil(exp))),
-        ]
     }
 
     /// Every item a scan with `filter` (bound to `values`) returns, page by page.
@@ -464,62 +223,14 @@ impl Backend for DynamoBackend {
     /// TTL, a record without fingerprint claimed with one) or for the transition of a
     /// lapsed lease with spent attempts to poisoned.
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
-        let mut current = match self.claim_once(claim, self.now()).await? {
-            Ok(answer) => return Ok(answer),
-            Err(item) => Some(item),
-        };
-        for _ in 0..CAS_ROUNDS {
-            let old = current.as_ref().map(item::decode).transpose()?;
-            let (answer, next) = self.decide(old.as_ref(), claim, self.now());
-            let Some(next) = next else {
-                return Ok(answer);
-            };
-            match self.put_if_unchanged(&next, current.as_ref()).await? {
-                Ok(()) => return Ok(answer),
-                Err(now_there) => current = now_there,
-            }
-        }
-        Err(Error::Unavailable {
-            message: format!(
-                "claim of {}: the item changed under {CAS_ROUNDS} compare-and-set rounds",
-                claim.key
-            ),
-            source: None,
-        })
+        self.claim_one(claim).await
     }
 
     /// Claims concurrently, at most `claim_parallelism` conditional writes in flight; claims
     /// of one key run one after another, in batch order.
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
         let parallel = self.inner.config.claim_parallelism();
-        batch::in_key_order(claims, |c| &c.key, parallel, |c| self.claim(c)).await
-    }
-
-    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        self.settle(lease, &Settle::Complete(response), retention)
-            .await
-    }
-
-    async fn fail(
-        &self,
-        lease: &Lease,
-        error: &str,
-        kind: FailureKind,
-        retention: Duration,
-    ) -> Result<()> {
-        let settle = Settle::Fail {
-            error: error.to_owned(),
-            kind,
-        };
-        self.settle(lease, &settle, retention).await
-    }
-
-    /// One conditional write, on the holder of a lease that is live as a claim by this
-    /// client judges it: its deadline is not yet the skew margin behind this client's clock.
-    /// The lease then lapses at that judging time, so that the next claim from this client
-    /// takes over at once.
-    async fn release(&self, lease: &Lease) -> Result<()> {
-        self.settle(lease, &Settle::Release, Duration::ZERO).await
+        in_key_order(claims, |c| &c.key, parallel, |c| self.claim(c)).await
     }
 
     /// Conditional writes like [`Backend::complete`], [`Backend::fail`] and
@@ -531,17 +242,11 @@ impl Backend for DynamoBackend {
         retention: Duration,
     ) -> Result<Vec<Result<()>>> {
         let parallel = self.inner.config.claim_parallelism();
-        batch::in_key_order(
+        in_key_order(
             items,
             |item| &item.lease.key,
             parallel,
-            |item| async move {
-                match self.settle(&item.lease, &item.settle, retention).await {
-                    Ok(()) => Ok(Ok(())),
-                    Err(e @ (Error::Fenced { .. } | Error::TooLarge { .. })) => Ok(Err(e)),
-                    Err(e) => Err(e),
-                }
-            },
+            |item| async move { per_item(self.settle(&item.lease, &item.settle, retention).await) },
         )
         .await
     }
@@ -662,6 +367,67 @@ impl Backend for DynamoBackend {
     }
 }
 
+/// `run` on every item, answers in batch order. At most `parallel` calls are in flight;
+/// the items of one key run one after another in batch order, each after the previous one
+/// answered, so that each sees the state the earlier left. The first error fails the whole
+/// call (calls already made keep their effect).
+pub(crate) async fn in_key_order<'a, T, K, A, Fut>(
+    items: &'a [T],
+    key: impl Fn(&T) -> &K,
+    parallel: usize,
+    run: impl Fn(&'a T) -> Fut,
+) -> Result<Vec<A>>
+where
+    K: Eq + Hash,
+    Fut: Future<Output = Result<A>>,
+{
+    let run = &run;
+    let groups = group_by(0..items.len(), |&i| key(&items[i]));
+    let answered: Vec<Vec<(usize, A)>> = stream::iter(groups)
+        .map(|group| async move {
+            let mut out = Vec::with_capacity(group.len());
+            for i in group {
+                out.push((i, run(&items[i]).await?));
+            }
+            Ok::<_, Error>(out)
+        })
+        .buffer_unordered(parallel.max(1))
+        .try_collect()
+        .await?;
+    let mut out: Vec<Option<A>> = std::iter::repeat_with(|| None).take(items.len()).collect();
+    for (i, answer) in answered.into_iter().flatten() {
+        out[i] = Some(answer);
+    }
+    Ok(out.into_iter().flatten().collect())
+}
+
+/// An SDK interceptor that counts every HTTP request sent, retries included.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Requests(Arc<AtomicU64>);
+
+impl Requests {
+    /// How many were sent so far.
+    pub(crate) fn sent(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl Intercept for Requests {
+    fn name(&self) -> &'static str {
+        "idem-dynamo request counter"
+    }
+
+    fn read_before_transmit(
+        &self,
+        _: &BeforeTransmitInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -721,5 +487,86 @@ mod tests {
         for (placeholder, name) in expr::names(&all) {
             assert!(known.contains(&name.as_str()), "{placeholder} names {name}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests_batch {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_key_runs_in_order_and_answers_keep_positions() {
+        let items = [("a", 1), ("b", 2), ("a", 3), ("a", 4), ("c", 5)];
+        let seen = Mutex::new(Vec::new());
+        let out = in_key_order(
+            &items,
+            |(k, _)| k,
+            2,
+            |&(k, n)| {
+                let seen = &seen;
+                async move {
+                    tokio::task::yield_now().await;
+                    seen.lock().expect("lock").push((k, n));
+                    Ok(n * 10)
+                }
+            },
+        )
+        .await
+        .expect("no error");
+        assert_eq!(out, [10, 20, 30, 40, 50]);
+        let order: Vec<i32> = seen
+            .into_inner()
+            .expect("lock")
+            .into_iter()
+            .filter(|(k, _)| *k == "a")
+            .map(|(_, n)| n)
+            .collect();
+        assert_eq!(order, [1, 3, 4]);
+    }
+
+    #[tokio::test]
+    async fn at_most_parallel_calls_are_in_flight() {
+        let items: Vec<usize> = (0..40).collect();
+        let (now, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        in_key_order(
+            &items,
+            |i| i,
+            3,
+            |_| {
+                let (now, most) = (&now, &most);
+                async move {
+                    let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(n, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    now.fetch_sub(1, Ordering::SeqCst);
+                    Ok(())
+                }
+            },
+        )
+        .await
+        .expect("no error");
+        assert_eq!(most.into_inner(), 3);
+    }
+
+    #[tokio::test]
+    async fn an_error_fails_the_batch() {
+        let items = ["a", "b", "c"];
+        let out = in_key_order(
+            &items,
+            |s| s,
+            16,
+            |&s| async move {
+                if s == "b" {
+                    Err(Error::config("boom"))
+                } else {
+                    Ok(())
+                }
+            },
+        )
+        .await;
+        assert!(matches!(out, Err(Error::Config { .. })), "{out:?}");
     }
 }

@@ -22,7 +22,7 @@ pub struct DynamoConfig {
     clock_skew: Duration,
     max_response_bytes: usize,
     claim_parallelism: usize,
-    max_attempts: u32,
+    sdk_attempts: u32,
     connect_timeout: Duration,
     attempt_timeout: Duration,
     operation_timeout: Duration,
@@ -57,9 +57,9 @@ impl DynamoConfig {
     pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 350 * 1024;
     /// The default number of conditional writes `claim_many` keeps in flight.
     pub const DEFAULT_CLAIM_PARALLELISM: usize = 16;
-    /// The default number of attempts per call, the first included (the SDK's standard
-    /// retry mode, with exponential backoff and jitter).
-    pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+    /// The default number of attempts the SDK makes per request, the first included (its
+    /// standard retry mode, with exponential backoff and jitter).
+    pub const DEFAULT_SDK_ATTEMPTS: u32 = 3;
     /// The default bound on opening a connection.
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
     /// The default bound on one attempt of a call.
@@ -77,7 +77,7 @@ impl DynamoConfig {
             clock_skew: Self::DEFAULT_CLOCK_SKEW,
             max_response_bytes: Self::DEFAULT_MAX_RESPONSE_BYTES,
             claim_parallelism: Self::DEFAULT_CLAIM_PARALLELISM,
-            max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
+            sdk_attempts: Self::DEFAULT_SDK_ATTEMPTS,
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             attempt_timeout: Self::DEFAULT_ATTEMPT_TIMEOUT,
             operation_timeout: Self::DEFAULT_OPERATION_TIMEOUT,
@@ -142,11 +142,12 @@ impl DynamoConfig {
         self
     }
 
-    /// Attempts per call, the first included (default 3). Throttling, timeouts and 5xx
-    /// answers are retried with the SDK's standard backoff; once the attempts are spent the
-    /// call fails with [`Error::Unavailable`].
-    pub fn with_max_attempts(mut self, n: u32) -> Self {
-        self.max_attempts = n;
+    /// Attempts the AWS SDK makes per request, the first included (default 3): throttling,
+    /// timeouts and 5xx answers are retried with the SDK's standard backoff; once they are
+    /// spent the call fails with [`Error::Unavailable`]. Not the engine's
+    /// `max_attempts`, which counts runs of a handler.
+    pub fn with_sdk_attempts(mut self, n: u32) -> Self {
+        self.sdk_attempts = n;
         self
     }
 
@@ -204,9 +205,9 @@ impl DynamoConfig {
         self.claim_parallelism
     }
 
-    /// Attempts per call.
-    pub fn max_attempts(&self) -> u32 {
-        self.max_attempts
+    /// Attempts the AWS SDK makes per request (see [`DynamoConfig::with_sdk_attempts`]).
+    pub fn sdk_attempts(&self) -> u32 {
+        self.sdk_attempts
     }
 
     /// The bound on opening a connection.
@@ -239,9 +240,9 @@ impl DynamoConfig {
                 self.max_response_bytes
             )));
         }
-        if self.claim_parallelism == 0 || self.max_attempts == 0 {
+        if self.claim_parallelism == 0 || self.sdk_attempts == 0 {
             return Err(Error::config(
-                "claim_parallelism and max_attempts must be at least 1",
+                "claim_parallelism and sdk_attempts must be at least 1",
             ));
         }
         let timeouts = [
@@ -266,7 +267,7 @@ impl fmt::Debug for DynamoConfig {
             .field("clock_skew", &self.clock_skew)
             .field("max_response_bytes", &self.max_response_bytes)
             .field("claim_parallelism", &self.claim_parallelism)
-            .field("max_attempts", &self.max_attempts)
+            .field("sdk_attempts", &self.sdk_attempts)
             .field("connect_timeout", &self.connect_timeout)
             .field("attempt_timeout", &self.attempt_timeout)
             .field("operation_timeout", &self.operation_timeout)

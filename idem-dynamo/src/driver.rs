@@ -8,8 +8,9 @@ use aws_sdk_dynamodb::operation::put_item::PutItemError;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::AttributeValue;
 use futures::StreamExt;
-use idem_core::driver::{self, Driver, Options, RAW_RETENTION, RawWrite, Store};
-use idem_core::{Backend, Bytes, Error, Result, Timestamp, async_trait};
+use idem_core::backend::async_trait;
+use idem_core::backend::driver::{self, Driver, Options, RAW_RETENTION, RawWrite, Store};
+use idem_core::{Backend, Bytes, Error, Result, Timestamp};
 
 use crate::error::sdk_error;
 use crate::item::{PK, TTL};

@@ -18,7 +18,6 @@
 //! | `v` | N | a random version, new at every write, for compare-and-set |
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::AttributeValue;
@@ -81,11 +80,6 @@ pub(crate) fn parse_partition_key(pk: &str) -> Result<Key> {
 /// Whole seconds from ms, rounded up: a TTL never fires before the deadline it stands for.
 pub(crate) fn secs_ceil(millis: u64) -> u64 {
     millis.div_ceil(1000)
-}
-
-/// `d` in ms, saturating.
-pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 pub(crate) fn n(value: u64) -> AttributeValue {

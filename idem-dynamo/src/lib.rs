@@ -4,13 +4,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backend;
-mod batch;
+mod claim;
 mod config;
 mod driver;
 mod error;
 mod expr;
 mod item;
-mod requests;
+mod settle;
 mod table;
 
 pub use backend::DynamoBackend;

@@ -10,11 +10,10 @@ use std::time::Duration;
 use aws_sdk_dynamodb::types::{AttributeValue, TimeToLiveStatus};
 use bytes::Bytes;
 use idem_conformance::acquire;
+use idem_core::backend::machine::lapsed_error;
+use idem_core::backend::{Claim, ClaimOutcome, Settlement};
 use idem_core::clock::ManualClock;
-use idem_core::machine::lapsed_error;
-use idem_core::{
-    Backend, Claim, ClaimKind, ClaimOutcome, FailureKind, Fingerprint, Key, Settlement, Timestamp,
-};
+use idem_core::{Backend, ClaimKind, FailureKind, Fingerprint, Key, Timestamp};
 use idem_dynamo::DynamoBackend;
 
 const TABLE: &str = "idem_behaviour";

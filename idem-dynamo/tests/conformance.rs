@@ -19,8 +19,9 @@ use std::time::Duration;
 use aws_sdk_dynamodb::types::AttributeValue;
 use bytes::Bytes;
 use idem_conformance::{Factory, Fixture, Remote};
+use idem_core::backend::{Claim, ClaimOutcome};
 use idem_core::clock::ManualClock;
-use idem_core::{Backend, Claim, ClaimOutcome, Key, Result, Timestamp};
+use idem_core::{Backend, Key, Result, Timestamp};
 use idem_dynamo::{DynamoBackend, DynamoConfig};
 
 const TABLE: &str = "idem_conformance";
@@ -89,7 +90,7 @@ impl Remote for Real {
             .with_connect_timeout(Duration::from_millis(300))
             .with_attempt_timeout(Duration::from_millis(300))
             .with_operation_timeout(Duration::from_secs(1))
-            .with_max_attempts(3);
+            .with_sdk_attempts(3);
         DynamoBackend::connect(config).await
     }
 

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_conformance::acquire;
-use idem_core::{Backend, Claim, Error, FailureKind, Fingerprint, Key};
+use idem_core::backend::Claim;
+use idem_core::{Backend, Error, FailureKind, Fingerprint, Key};
 use idem_dynamo::{DynamoBackend, DynamoConfig, ITEM_LIMIT_BYTES};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -127,7 +128,7 @@ async fn durations_of_duration_max_connect_and_claim() {
     let key = Key::new("ns", "forever").expect("key");
     let res = b.claim(&claim_of(&key, "a")).await.expect("claim");
     assert!(
-        matches!(res, idem_core::ClaimOutcome::Acquired(_)),
+        matches!(res, idem_core::backend::ClaimOutcome::Acquired(_)),
         "{res:?}"
     );
 }

@@ -232,7 +232,7 @@ impl Shared {
         let (topic, partition) = (Arc::clone(&handle.state.topic), handle.state.partition);
         let task = self.runtime.spawn(async move {
             if let Err(panic) = AssertUnwindSafe(worker.run()).catch_unwind().await {
-                let why = idem_core::panic_text(&*panic);
+                let why = idem_core::backend::panic_text(&*panic);
                 shared.fail(format!("the worker of {topic}/{partition} panicked: {why}"));
             }
         });

@@ -76,7 +76,7 @@ impl KeySource {
             KeySource::Custom(f) => match catch_unwind(AssertUnwindSafe(|| f(message))) {
                 Err(panic) => Extracted::Malformed(format!(
                     "the key function panicked: {}",
-                    idem_core::panic_text(&*panic)
+                    idem_core::backend::panic_text(&*panic)
                 )),
                 Ok(Err(reason)) => Extracted::Malformed(reason),
                 Ok(Ok(id)) => found(id.as_deref().map(str::as_bytes)),

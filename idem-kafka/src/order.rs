@@ -5,7 +5,8 @@
 use std::hash::Hash;
 use std::sync::Mutex;
 
-use idem_core::{Outcome, Settlement};
+use idem_core::Outcome;
+use idem_core::backend::Settlement;
 use tokio::sync::{Notify, oneshot};
 
 /// What orders the messages of a partition when handlers run concurrently
@@ -28,7 +29,7 @@ pub enum OrderBy {
 pub(crate) fn lanes<K: Hash + Eq>(keys: impl Iterator<Item = Option<K>>) -> Vec<Vec<usize>> {
     let keys: Vec<Option<K>> = keys.collect();
     // A keyless position is its own key: no other position shares its lane.
-    idem_core::group_by(0..keys.len(), |&i| keys[i].as_ref().ok_or(i))
+    idem_core::backend::group_by(0..keys.len(), |&i| keys[i].as_ref().ok_or(i))
 }
 
 /// How many leading positions, up to `cap`, have ordering keys no earlier one shares: the

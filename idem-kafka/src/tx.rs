@@ -7,7 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use idem_core::{Backend, Claim, Lease, OffsetPosition, Outcome, StoredOffset, Transactional};
+use idem_core::backend::{Claim, OffsetPosition, StoredOffset};
+use idem_core::{Backend, Lease, Outcome, Transactional};
 
 use crate::Message;
 use crate::handler::HandlerResult;
@@ -137,7 +138,7 @@ where
     if hook(crate::Point::AfterClaim, offset) {
         return std::future::pending().boxed();
     }
-    let run = idem_core::panic_at_poll(|| handler(msg, tx, lease));
+    let run = idem_core::backend::panic_at_poll(|| handler(msg, tx, lease));
     async move {
         let result = run.await;
         if hook(crate::Point::AfterEffect, offset) {

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{Out, create_topics, produce, unique};
-use idem_core::{Backend, Claim, ClaimOutcome, FailureKind, Key, State};
+use idem_core::backend::{Claim, ClaimOutcome};
+use idem_core::{Backend, FailureKind, Key, State};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use idem_kafka::{DeadLetter, Error, Previous, Replay, Replayer, Reset, Selection, read_letters};

@@ -589,7 +589,7 @@ async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
     let other = engine(backend.clone(), "other", Duration::from_secs(60));
     let held = Key::new(group.as_str(), "held").unwrap();
     let lease = match backend.claim(&other.claim_for(&held, b"2")).await.unwrap() {
-        idem_core::ClaimOutcome::Acquired(l) => l,
+        idem_core::backend::ClaimOutcome::Acquired(l) => l,
         o => panic!("{o:?}"),
     };
     let effects = Effects::new();

@@ -93,7 +93,7 @@ async fn spans_and_counters_follow_each_message() {
         .await
         .unwrap()
     {
-        idem_core::ClaimOutcome::Acquired(l) => l,
+        idem_core::backend::ClaimOutcome::Acquired(l) => l,
         o => panic!("{o:?}"),
     };
     let msgs = [

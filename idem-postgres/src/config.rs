@@ -4,72 +4,128 @@ use std::fmt;
 use std::time::Duration;
 
 use idem_core::Error;
-use idem_core::driver::redact;
+use idem_core::backend::driver::redact;
 
 /// Connection and naming settings for [`PgBackend`](crate::PgBackend).
 ///
 /// `Debug` never shows the password.
 #[derive(Clone)]
 pub struct PgConfig {
-    /// A `postgres://user:password@host:port/database` URL.
-    pub url: String,
-    /// The schema holding `idem_records` and `idem_offsets` (default `idem`). Two services
-    /// sharing one database give each its own schema.
-    pub schema: String,
-    /// The pool's size (default 16; 0 is a configuration error).
-    pub max_connections: u32,
-    /// How long to wait for a connection from the pool or the server (default 5 s).
-    pub connect_timeout: Duration,
-    /// The largest response `complete` accepts (default 64 KiB).
-    pub max_response_bytes: usize,
-    /// Rows deleted per `purge_expired` batch (default 1,000).
-    pub purge_batch: i64,
-    /// The `application_name` the connections report in `pg_stat_activity` (default `idem`).
-    pub application_name: String,
+    url: String,
+    schema: String,
+    max_connections: u32,
+    connect_timeout: Duration,
+    query_timeout: Duration,
+    max_response_bytes: usize,
+    purge_batch: i64,
+    application_name: String,
 }
 
 impl PgConfig {
-    /// Defaults for `url`.
+    /// The default bound on getting a connection, from the pool or the server.
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+    /// The default bound on one statement (or one transactional-mode step), the wait for
+    /// its connection included.
+    pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// Defaults for `url`, a `postgres://user:password@host:port/database` URL.
     pub fn new(url: impl Into<String>) -> Self {
         PgConfig {
             url: url.into(),
             schema: "idem".into(),
             max_connections: 16,
-            connect_timeout: Duration::from_secs(5),
+            connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
+            query_timeout: Self::DEFAULT_QUERY_TIMEOUT,
             max_response_bytes: 64 * 1024,
             purge_batch: 1000,
             application_name: "idem".into(),
         }
     }
 
-    /// Sets the schema.
+    /// The schema holding `idem_records` and `idem_offsets` (default `idem`). Two services
+    /// sharing one database give each its own schema.
     pub fn with_schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
         self
     }
 
-    /// Sets the pool size.
+    /// The pool's size (default 16; 0 is a configuration error).
     pub fn with_max_connections(mut self, n: u32) -> Self {
         self.max_connections = n;
         self
     }
 
-    /// Sets the connect timeout.
+    /// How long to wait for a connection, from the pool or the server (default 5 s). It
+    /// bounds only that: statements have [`PgConfig::with_query_timeout`].
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = idem_core::clock::capped(timeout);
         self
     }
 
-    /// Sets the application name shown in `pg_stat_activity`.
+    /// How long one statement may take, its wait for a pooled connection included
+    /// (default 10 s); a statement over it is `Unavailable`, its effect unknown.
+    pub fn with_query_timeout(mut self, timeout: Duration) -> Self {
+        self.query_timeout = idem_core::clock::capped(timeout);
+        self
+    }
+
+    /// The `application_name` the connections report in `pg_stat_activity` (default
+    /// `idem`).
     pub fn with_application_name(mut self, name: impl Into<String>) -> Self {
         self.application_name = name.into();
         self
     }
 
-    /// Sets the largest response `complete` accepts.
+    /// The largest response `complete` accepts (default 64 KiB).
     pub fn with_max_response_bytes(mut self, bytes: usize) -> Self {
         self.max_response_bytes = bytes;
         self
+    }
+
+    /// Rows deleted per statement of `purge_expired` (default 1,000; at least 1).
+    pub fn with_purge_batch(mut self, rows: i64) -> Self {
+        self.purge_batch = rows.max(1);
+        self
+    }
+
+    /// The URL as given (with its password: see [`PgConfig::redacted_url`]).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The schema, unquoted.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The pool's size.
+    pub fn max_connections(&self) -> u32 {
+        self.max_connections
+    }
+
+    /// The bound on getting a connection.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The bound on one statement.
+    pub fn query_timeout(&self) -> Duration {
+        self.query_timeout
+    }
+
+    /// The largest response `complete` accepts.
+    pub fn max_response_bytes(&self) -> usize {
+        self.max_response_bytes
+    }
+
+    /// Rows deleted per statement of `purge_expired`.
+    pub fn purge_batch(&self) -> i64 {
+        self.purge_batch
+    }
+
+    /// The `application_name` of the connections.
+    pub fn application_name(&self) -> &str {
+        &self.application_name
     }
 
     /// The schema as a quoted SQL identifier, after checking it is a plain lower-case name
@@ -102,6 +158,7 @@ impl fmt::Debug for PgConfig {
             .field("schema", &self.schema)
             .field("max_connections", &self.max_connections)
             .field("connect_timeout", &self.connect_timeout)
+            .field("query_timeout", &self.query_timeout)
             .field("max_response_bytes", &self.max_response_bytes)
             .field("purge_batch", &self.purge_batch)
             .field("application_name", &self.application_name)

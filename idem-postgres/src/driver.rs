@@ -2,8 +2,9 @@
 
 use std::sync::Arc;
 
-use idem_core::driver::{self, Driver, Options, RawWrite, Store};
-use idem_core::{Backend, Bytes, Error, Result, async_trait};
+use idem_core::backend::async_trait;
+use idem_core::backend::driver::{self, Driver, Options, RawWrite, Store};
+use idem_core::{Backend, Bytes, Error, Result};
 
 use crate::{PgBackend, PgConfig};
 

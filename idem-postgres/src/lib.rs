@@ -3,7 +3,7 @@
 #![deny(missing_docs)]
 
 mod backend;
-mod batch;
+mod claim;
 mod config;
 mod driver;
 mod error;
@@ -15,5 +15,5 @@ mod transactional;
 pub use backend::{PLANNING, PgBackend};
 pub use config::PgConfig;
 pub use driver::{DRIVER, PgDriver};
-pub use idem_core::{OffsetPosition, StoredOffset};
+pub use idem_core::backend::{OffsetPosition, StoredOffset};
 pub use transactional::PgTransaction;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use idem_core::Key;
-use idem_core::watch::Feed;
+use idem_core::backend::watch::Feed;
 use sqlx::postgres::PgListener;
 
 use crate::PgBackend;

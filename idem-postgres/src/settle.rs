@@ -3,11 +3,13 @@
 
 use std::time::Duration;
 
-use idem_core::{Error, FailureKind, Lease, Result, Settle, Settlement};
+use idem_core::backend::{Settle, Settlement, check_response};
+use idem_core::{Error, FailureKind, Lease, Result};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::backend::{PgBackend, PgQuery, distinct_round, fenced_error, millis, sized, token};
+use crate::backend::{PgBackend, PgQuery, millis, sized, token};
+use crate::claim::distinct_round;
 use crate::error::map;
 
 /// The four arrays every batch statement that checks leases starts with: namespaces, ids,
@@ -135,13 +137,9 @@ impl PgBackend {
         let mut answers: Vec<Result<()>> = Vec::with_capacity(items.len());
         let mut pending: Vec<usize> = Vec::with_capacity(items.len());
         for (i, item) in items.iter().enumerate() {
-            let size = match &item.settle {
-                Settle::Complete(response) => self.check_size(response),
-                _ => Ok(()),
-            };
-            match size {
+            match check_response(&item.settle, self.max_response_bytes) {
                 Ok(()) => {
-                    answers.push(Err(fenced_error(&item.lease)));
+                    answers.push(Err(Error::fenced(&item.lease)));
                     pending.push(i);
                 }
                 Err(e) => answers.push(Err(e)),

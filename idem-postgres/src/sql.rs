@@ -49,7 +49,7 @@ fn lapsed(r: &str) -> String {
 }
 
 /// Whether record `r` may be claimed by claim `c` (which has `fingerprint` and a
-/// `max_attempts` of at least 1): the claimable cases of `idem_core::machine::claim`,
+/// `max_attempts` of at least 1): the claimable cases of `idem_core::backend::machine::claim`,
 /// including a lapsed lease with no attempts left, which the claim turns failed.
 fn claimable(r: &str, c: &str) -> String {
     format!(

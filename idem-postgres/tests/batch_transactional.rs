@@ -10,7 +10,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use idem_core::{Claim, Fingerprint, HandlerError, Key, Lease, Outcome, State, Transactional};
+use idem_core::backend::Claim;
+use idem_core::{Fingerprint, HandlerError, Key, Lease, Outcome, State, Transactional};
 use idem_postgres::{OffsetPosition, PgBackend, PgTransaction, StoredOffset};
 use sqlx::AssertSqlSafe;
 

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_conformance::acquire;
-use idem_core::{Backend, Claim, ClaimOutcome, Error, Fingerprint, Key, Settlement};
+use idem_core::backend::{Claim, ClaimOutcome, Settlement};
+use idem_core::{Backend, Error, Fingerprint, Key};
 
 const HOUR: Duration = Duration::from_secs(3600);
 

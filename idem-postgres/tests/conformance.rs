@@ -36,10 +36,14 @@ impl Factory for Postgres {
 }
 
 impl Remote for Postgres {
-    /// The pool connects at once, within the connect timeout.
+    /// The pool connects at once, within the connect timeout; statements are bounded by
+    /// the same.
     async fn connect_to(&self, addr: SocketAddr) -> Result<PgBackend> {
         let url = format!("postgres://postgres@{addr}/test");
-        PgBackend::connect(PgConfig::new(url).with_connect_timeout(TIMEOUT)).await
+        let config = PgConfig::new(url)
+            .with_connect_timeout(TIMEOUT)
+            .with_query_timeout(TIMEOUT);
+        PgBackend::connect(config).await
     }
 
     fn unavailable_within(&self) -> Duration {

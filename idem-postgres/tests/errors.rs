@@ -7,7 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use idem_core::{Backend, Claim, Error, Fingerprint, Key};
+use idem_core::backend::Claim;
+use idem_core::{Backend, Error, Fingerprint, Key};
 use idem_postgres::{PgBackend, PgConfig};
 
 fn claim(key: &Key) -> Claim {
@@ -106,24 +107,31 @@ async fn a_dropped_connection_is_unavailable_then_recovers() {
     assert!(recovered, "the backend never answered again");
 }
 
-/// A connect timeout of `Duration::MAX` (for "never"), set through the setter or the
-/// public field, is a century, not an overflow in the pool: the backend connects and
-/// claims.
+/// A connect or query timeout of `Duration::MAX` (for "never") is a century, not an
+/// overflow in the pool or the clock: the backend connects and claims.
 #[tokio::test]
-async fn a_connect_timeout_of_duration_max_connects_and_claims() {
-    let mut config = PgConfig::new(common::url()).with_schema(common::fresh_schema());
-    config.connect_timeout = Duration::MAX;
-    let set = PgConfig::new(common::url())
+async fn a_timeout_of_duration_max_connects_and_claims() {
+    let connect = PgConfig::new(common::url())
         .with_schema(common::fresh_schema())
         .with_connect_timeout(Duration::MAX);
-    assert_eq!(set.connect_timeout, idem_core::clock::capped(Duration::MAX));
-    for config in [config, set] {
+    assert_eq!(
+        connect.connect_timeout(),
+        idem_core::clock::capped(Duration::MAX)
+    );
+    let query = PgConfig::new(common::url())
+        .with_schema(common::fresh_schema())
+        .with_query_timeout(Duration::MAX);
+    assert_eq!(
+        query.query_timeout(),
+        idem_core::clock::capped(Duration::MAX)
+    );
+    for config in [connect, query] {
         let backend = PgBackend::connect(config).await.expect("connect");
         backend.migrate().await.expect("migrate");
         let key = Key::new(idem_conformance::unique_namespace(), "forever").expect("key");
         let res = backend.claim(&claim(&key)).await.expect("claim");
         assert!(
-            matches!(res, idem_core::ClaimOutcome::Acquired(_)),
+            matches!(res, idem_core::backend::ClaimOutcome::Acquired(_)),
             "{res:?}"
         );
     }

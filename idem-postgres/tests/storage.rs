@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_conformance::acquire;
-use idem_core::{Backend, Claim, ClaimOutcome, Key, Transactional};
+use idem_core::backend::{Claim, ClaimOutcome};
+use idem_core::{Backend, Key, Transactional};
 use idem_postgres::PgBackend;
 use sqlx::AssertSqlSafe;
 
@@ -150,9 +151,9 @@ async fn leases(backend: &PgBackend, prefix: &str, n: usize) -> Vec<idem_core::L
 
 /// Completes `leases` with one `settle_many`.
 async fn settle(backend: &PgBackend, leases: Vec<idem_core::Lease>) {
-    let items: Vec<idem_core::Settlement> = leases
+    let items: Vec<idem_core::backend::Settlement> = leases
         .into_iter()
-        .map(|l| idem_core::Settlement::complete(l, Bytes::from_static(b"done")))
+        .map(|l| idem_core::backend::Settlement::complete(l, Bytes::from_static(b"done")))
         .collect();
     let answers = backend
         .settle_many(&items, RETENTION)
@@ -616,9 +617,9 @@ async fn a_batch_settle_notifies_its_watched_keys_and_a_release_but_not_an_exten
     for lease in [batch_watched, extended, released, last] {
         watches.push(backend.watch(&lease.key).await);
     }
-    let done = |lease: &idem_core::Lease| idem_core::Settlement {
+    let done = |lease: &idem_core::Lease| idem_core::backend::Settlement {
         lease: lease.clone(),
-        settle: idem_core::Settle::Complete(Bytes::from_static(b"r")),
+        settle: idem_core::backend::Settle::Complete(Bytes::from_static(b"r")),
     };
     let answers = backend
         .settle_many(&[done(quiet), done(batch_watched)], RETENTION)

@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
-use idem_core::{
-    Backend, Claim, Fingerprint, HandlerError, Key, Outcome, State, Transactional, TxFuture,
-};
+use idem_core::backend::{Claim, TxFuture};
+use idem_core::{Backend, Fingerprint, HandlerError, Key, Outcome, State, Transactional};
 use idem_postgres::{OffsetPosition, PgBackend, PgTransaction, StoredOffset};
 use sqlx::AssertSqlSafe;
 
@@ -391,7 +390,7 @@ async fn a_crash_loop_stays_bounded_by_max_attempts() {
         out,
         Outcome::Poisoned {
             attempts: 3,
-            error: idem_core::machine::lapsed_error(3)
+            error: idem_core::backend::machine::lapsed_error(3)
         }
     );
     assert_eq!(

@@ -1,4 +1,6 @@
-//! [`RedisBackend`]: connections, slot grouping, and the operations that are one call each.
+//! [`RedisBackend`]: connections, slot grouping, the operations that are one call each, and
+//! `list`, walking the records under the prefix with `SCAN` on every primary of a cluster.
+//! Claims are in `claim.rs`, settles in `settle.rs`.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -8,32 +10,18 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
-use idem_core::watch::Feed;
-use idem_core::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Settlement, Timestamp, Watch,
-};
+use idem_core::backend::watch::{Feed, Watch};
+use idem_core::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, millis};
+use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
 use redis::cluster_routing::Slot;
 use redis::{RedisResult, Value};
 
 use crate::RedisConfig;
-use crate::conn::{Conn, within};
+use crate::conn::{Conn, Node, within};
 use crate::error::bad_reply;
 use crate::keys::Layout;
 use crate::library::{Function, Library};
-use crate::record::{Fence, decode_record};
-use crate::reply::int;
-
-/// Durations are sent in milliseconds, at most about a century, so that every deadline
-/// stays exact in the Lua functions' numbers.
-const MAX_MILLIS: u64 = 100 * 365 * 24 * 3600 * 1000;
-
-pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis())
-        .unwrap_or(u64::MAX)
-        .min(MAX_MILLIS)
-}
+use crate::record::{Fence, decode_record, int};
 
 pub(crate) struct Shared {
     pub(crate) config: RedisConfig,
@@ -157,7 +145,7 @@ impl RedisBackend {
                 vec![all]
             };
         }
-        idem_core::group_by(indices, |&i| Slot::for_key(&keys[i]))
+        idem_core::backend::group_by(indices, |&i| Slot::for_key(&keys[i]))
     }
 }
 
@@ -171,27 +159,6 @@ impl Backend for RedisBackend {
     /// a decision, one function call; in a cluster, each per slot, sent together.
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
         self.claim_all(claims).await
-    }
-
-    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        self.settle_one(Settlement::complete(lease.clone(), response), retention)
-            .await
-    }
-
-    async fn fail(
-        &self,
-        lease: &Lease,
-        error: &str,
-        kind: FailureKind,
-        retention: Duration,
-    ) -> Result<()> {
-        self.settle_one(Settlement::fail(lease.clone(), error, kind), retention)
-            .await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<()> {
-        self.settle_one(Settlement::release(lease.clone()), Duration::ZERO)
-            .await
     }
 
     /// One function call for the whole batch standalone; in a cluster, one per slot, sent
@@ -213,10 +180,7 @@ impl Backend for RedisBackend {
         let until = int(&until).ok_or_else(|| bad_reply("extend", format!("{until:?}")))?;
         u64::try_from(until)
             .map(Timestamp::from_millis)
-            .map_err(|_| Error::Fenced {
-                key: lease.key.clone(),
-                token: lease.token,
-            })
+            .map_err(|_| Error::fenced(lease))
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>> {
@@ -267,5 +231,143 @@ impl Backend for RedisBackend {
             .with_list(true)
             .with_notify(true)
             .with_max_response_bytes(self.shared.config.max_response_bytes())
+    }
+}
+
+/// Keys asked for per `SCAN` step.
+const SCAN_COUNT: usize = 1000;
+
+impl RedisBackend {
+    /// [`Backend::list`](idem_core::Backend::list): `SCAN` under the prefix on every node
+    /// that holds records, one pipelined `GET` and `PEXPIRETIME` per page.
+    pub(crate) async fn scan_records(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+        let layout = &self.shared.layout;
+        let pattern = layout.pattern(filter.namespace.as_deref());
+        let limit = if filter.limit == 0 {
+            usize::MAX
+        } else {
+            filter.limit
+        };
+        let mut out = Vec::new();
+        for node in self.scan_nodes().await? {
+            let mut cursor = 0;
+            loop {
+                let (next, raw_keys) = self.scan(node.as_ref(), cursor, &pattern).await?;
+                let mut keys = Vec::with_capacity(raw_keys.len());
+                let mut pipe = redis::pipe();
+                for raw in &raw_keys {
+                    let key = layout.parse(raw).ok_or_else(|| {
+                        Error::corrupt(format!(
+                            "a key under the prefix is not an idem key: {}",
+                            String::from_utf8_lossy(raw)
+                        ))
+                    })?;
+                    pipe.cmd("GET").arg(raw);
+                    pipe.cmd("PEXPIRETIME").arg(raw);
+                    keys.push(key);
+                }
+                let mut conn = self.conn.clone();
+                let replies = if keys.is_empty() {
+                    Vec::new()
+                } else {
+                    self.call("list", conn.pipe_on(node.as_ref(), pipe)).await?
+                };
+                if replies.len() != 2 * keys.len() {
+                    return Err(bad_reply("list", format!("{replies:?}")));
+                }
+                let mut replies = replies.into_iter();
+                for key in &keys {
+                    let (value, expire) = (replies.next(), replies.next());
+                    let expire = expire.as_ref().and_then(int);
+                    let (Some(value), Some(expire)) = (value, expire) else {
+                        return Err(bad_reply("list", "a record without its expiry time"));
+                    };
+                    if let Some(rec) = decode_record(key, value, expire)? {
+                        if filter.matches(&rec) {
+                            out.push(rec);
+                            if out.len() >= limit {
+                                return Ok(out);
+                            }
+                        }
+                    }
+                }
+                cursor = next;
+                if cursor == 0 {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The primaries of a cluster, each once; `[None]` standalone.
+    async fn scan_nodes(&self) -> Result<Vec<Option<Node>>> {
+        if !matches!(self.conn, Conn::Cluster(_)) {
+            return Ok(vec![None]);
+        }
+        let mut conn = self.conn.clone();
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        let reply = self.call("list", conn.query_on(None, cmd)).await?;
+        let mut nodes: Vec<Option<Node>> = Vec::new();
+        let Value::Array(ranges) = reply else {
+            return Err(bad_reply("CLUSTER SLOTS", format!("{reply:?}")));
+        };
+        for range in ranges {
+            let node = match range {
+                Value::Array(parts) => match parts.get(2) {
+                    Some(Value::Array(primary)) => match (primary.first(), primary.get(1)) {
+                        (Some(Value::BulkString(host)), Some(Value::Int(port))) => {
+                            let host = String::from_utf8_lossy(host).into_owned();
+                            u16::try_from(*port).ok().map(|port| (host, port))
+                        }
+                        _ => None,
+                    },
+                    _ => None,
+                },
+                _ => None,
+            };
+            let node =
+                node.ok_or_else(|| bad_reply("CLUSTER SLOTS", "a range without a primary"))?;
+            if !nodes.contains(&Some(node.clone())) {
+                nodes.push(Some(node));
+            }
+        }
+        Ok(nodes)
+    }
+
+    /// One `SCAN` step on `node`: the next cursor and the keys found.
+    async fn scan(
+        &self,
+        node: Option<&Node>,
+        cursor: u64,
+        pattern: &str,
+    ) -> Result<(u64, Vec<Vec<u8>>)> {
+        let mut cmd = redis::cmd("SCAN");
+        cmd.arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(SCAN_COUNT);
+        let mut conn = self.conn.clone();
+        let reply = self.call("list", conn.query_on(node, cmd)).await?;
+        let parsed = match &reply {
+            Value::Array(parts) => match (parts.first(), parts.get(1)) {
+                (Some(Value::BulkString(c)), Some(Value::Array(keys))) => {
+                    let cursor = std::str::from_utf8(c).ok().and_then(|c| c.parse().ok());
+                    let keys: Option<Vec<Vec<u8>>> = keys
+                        .iter()
+                        .map(|k| match k {
+                            Value::BulkString(k) => Some(k.clone()),
+                            _ => None,
+                        })
+                        .collect();
+                    cursor.zip(keys)
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        parsed.ok_or_else(|| bad_reply("SCAN", format!("{reply:?}")))
     }
 }

@@ -4,17 +4,19 @@
 //! `PEXPIRETIME`), gives the lease's deadline by the server's clock. Where `SET` found a record, a
 //! completed or spent one is answered from the value it returned; the rest go to the claim
 //! function (`lua/claim.lua`, see `library.rs`), one call per batch per cluster slot.
+//!
+//! The claim function's reply is decoded here too (see `lua/claim.lua` for its shape).
 
-use idem_core::{Claim, ClaimOutcome, Result, State, Timestamp, machine};
+use bytes::Bytes;
+use idem_core::backend::{Claim, ClaimOutcome, machine, millis};
+use idem_core::{ClaimKind, Fingerprint, Lease, Result, State, Timestamp};
 use redis::Value;
 
 use crate::RedisBackend;
-use crate::backend::millis;
 use crate::conn::Conn;
 use crate::error::{bad_reply, from_redis};
 use crate::library::Function;
-use crate::record::{Fresh, decode_record};
-use crate::reply::{decode_outcome, int};
+use crate::record::{Fresh, bytes, decode_record, int};
 
 impl RedisBackend {
     /// [`Backend::claim`](idem_core::Backend::claim): `claim_all`'s path for one key,
@@ -240,4 +242,113 @@ fn settled(claim: &Claim, found: Value, expire: i64) -> Result<Option<ClaimOutco
     // Redis returned the record, so it is live: any time before its expiry decides alike.
     let (answer, write) = machine::claim(Some(&rec), claim, Timestamp::from_millis(0));
     Ok(write.is_none().then_some(answer))
+}
+
+fn timestamp(value: &Value) -> Option<Timestamp> {
+    Some(Timestamp::from_millis(u64::try_from(int(value)?).ok()?))
+}
+
+/// One answer of the claim function (see `lua/claim.lua` for its shape).
+pub(crate) fn decode_outcome(claim: &Claim, value: Value) -> Result<ClaimOutcome> {
+    decode_outcome_inner(claim, &value).ok_or_else(|| bad_reply("claim", format!("{value:?}")))
+}
+
+fn decode_outcome_inner(claim: &Claim, value: &Value) -> Option<ClaimOutcome> {
+    let Value::Array(items) = value else {
+        return None;
+    };
+    let mut items = items.iter();
+    let tag = int(items.next()?)?;
+    let out = match tag {
+        1 => {
+            let (token, attempts, until, kind, fingerprint) = (
+                items.next()?,
+                items.next()?,
+                items.next()?,
+                items.next()?,
+                items.next()?,
+            );
+            ClaimOutcome::Acquired(Lease {
+                key: claim.key.clone(),
+                owner: claim.owner.clone(),
+                token: u64::try_from(int(token)?).ok()?,
+                attempts: u32::try_from(int(attempts)?).ok()?,
+                lease_until: timestamp(until)?,
+                kind: match int(kind)? {
+                    0 => ClaimKind::First,
+                    1 => ClaimKind::Retry,
+                    2 => ClaimKind::Takeover,
+                    _ => return None,
+                },
+                // What the record holds: a retry keeps the stored fingerprint.
+                fingerprint: match bytes(fingerprint)? {
+                    [] => None,
+                    f => Some(Fingerprint(f.try_into().ok()?)),
+                },
+            })
+        }
+        2 => ClaimOutcome::Completed(Bytes::copy_from_slice(bytes(items.next()?)?)),
+        3 => {
+            let owner = String::from_utf8(bytes(items.next()?)?.to_vec()).ok()?;
+            let lease_until = timestamp(items.next()?)?;
+            ClaimOutcome::InProgress {
+                owner: owner.into(),
+                lease_until,
+            }
+        }
+        4 => {
+            let attempts = u32::try_from(int(items.next()?)?).ok()?;
+            let error = String::from_utf8(bytes(items.next()?)?.to_vec()).ok()?;
+            ClaimOutcome::Poisoned { attempts, error }
+        }
+        5 => ClaimOutcome::Mismatch,
+        _ => return None,
+    };
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_core::{ClaimKind, Error, Key};
+
+    fn key() -> Key {
+        Key::new("ns", "id").unwrap()
+    }
+
+    #[test]
+    fn decodes_claim_replies() {
+        let claim = Claim {
+            key: key(),
+            owner: "w".into(),
+            lease_ttl: std::time::Duration::from_secs(1),
+            fingerprint: None,
+            max_attempts: 3,
+            retention: std::time::Duration::from_secs(1),
+        };
+        let acquired = Value::Array(vec![
+            Value::Int(1),
+            Value::Int(4),
+            Value::Int(2),
+            Value::Int(99),
+            Value::Int(2),
+            Value::BulkString(vec![7; 32]),
+        ]);
+        match decode_outcome(&claim, acquired).unwrap() {
+            ClaimOutcome::Acquired(l) => {
+                assert_eq!((l.token, l.attempts, l.kind), (4, 2, ClaimKind::Takeover));
+                assert_eq!(l.lease_until, Timestamp::from_millis(99));
+                // The record's fingerprint, kept from before, though this claim has none.
+                assert_eq!(l.fingerprint, Some(Fingerprint([7; 32])));
+            }
+            other => panic!("{other:?}"),
+        }
+        let mismatch = Value::Array(vec![Value::Int(5)]);
+        assert_eq!(
+            decode_outcome(&claim, mismatch).unwrap(),
+            ClaimOutcome::Mismatch
+        );
+        let res = decode_outcome(&claim, Value::Array(vec![Value::Int(9)]));
+        assert!(matches!(res, Err(Error::Corrupt { .. })));
+    }
 }

@@ -3,8 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use idem_core::driver::redact;
-use idem_core::{Capabilities, Error, Result};
+use idem_core::backend::Capabilities;
+use idem_core::backend::driver::redact;
+use idem_core::{Error, Result};
 
 /// How a [`RedisBackend`](crate::RedisBackend) connects, names its keys and bounds its calls.
 ///

@@ -210,7 +210,7 @@ fn config_error(config: &RedisConfig, err: redis::RedisError) -> Error {
     let shown: Vec<String> = config
         .nodes()
         .iter()
-        .map(|n| idem_core::driver::redact(n))
+        .map(|n| idem_core::backend::driver::redact(n))
         .collect();
     Error::Config {
         message: format!(

@@ -4,7 +4,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod backend;
-mod cas;
 mod claim;
 mod config;
 mod conn;
@@ -12,10 +11,8 @@ mod driver;
 mod error;
 mod keys;
 mod library;
-mod list;
 mod notify;
 mod record;
-mod reply;
 mod settle;
 mod v1;
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures::{FutureExt, StreamExt};
-use idem_core::watch::Feed;
+use idem_core::backend::watch::Feed;
 
 use crate::RedisBackend;
 use crate::conn::{node_client, within};

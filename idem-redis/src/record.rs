@@ -7,7 +7,8 @@ use std::io::Write;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use idem_core::{Claim, Error, Fingerprint, Key, Lease, Record, Result, State, Timestamp};
+use idem_core::backend::Claim;
+use idem_core::{Error, Fingerprint, Key, Lease, Record, Result, State, Timestamp};
 use redis::{RedisWrite, ToRedisArgs, Value};
 
 use crate::error::{bad_reply, from_redis};
@@ -108,6 +109,23 @@ fn rest(out: &mut impl Write, fingerprint: Option<&Fingerprint>, attempts: u32, 
         b";",
     ];
     let _ = parts.iter().try_for_each(|part| out.write_all(part));
+}
+
+/// The bytes of a string reply.
+pub(crate) fn bytes(value: &Value) -> Option<&[u8]> {
+    match value {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+/// The number of an integer reply.
+pub(crate) fn int(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    }
 }
 
 /// The record `GET` returned for `key`, given the key's `PEXPIRETIME` read with it; `None`

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use common::{claim, closed_port, connect, raw, standalone_config};
 use idem_conformance::{service_env, unique_namespace};
-use idem_core::{Backend, Error, Key, ListFilter};
+use idem_core::backend::ListFilter;
+use idem_core::{Backend, Error, Key};
 use idem_redis::{RedisBackend, RedisConfig};
 
 const LIMIT: Duration = Duration::from_millis(300);
@@ -148,7 +149,7 @@ async fn a_timeout_of_duration_max_connects_and_claims() {
     let k = key("forever");
     let res = b.claim(&claim(&k, "a")).await.expect("claim");
     assert!(
-        matches!(res, idem_core::ClaimOutcome::Acquired(_)),
+        matches!(res, idem_core::backend::ClaimOutcome::Acquired(_)),
         "{res:?}"
     );
 }

@@ -10,7 +10,8 @@ use common::{
     HOUR, PrivateServer, calls, claim, cluster_config, connect, fresh_batch, raw, raw_cluster,
 };
 use idem_conformance::unique_namespace;
-use idem_core::{Backend, ClaimOutcome, Error, FailureKind, Key, Lease, Settlement, State};
+use idem_core::backend::{ClaimOutcome, Settlement};
+use idem_core::{Backend, Error, FailureKind, Key, Lease, State};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::ConnectionLike;
 

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::{HOUR, claim, closed_port};
 use idem_conformance::unique_namespace;
-use idem_core::{Backend, ClaimOutcome, Error, Key};
+use idem_core::backend::ClaimOutcome;
+use idem_core::{Backend, Error, Key};
 use idem_redis::{RedisBackend, RedisConfig};
 
 fn run(dir: &Path, args: &[&str]) {

@@ -11,9 +11,8 @@ use common::{HOUR, calls, claim, connect, fresh_batch, raw, standalone_config};
 use idem_conformance::{service_env, unique_namespace};
 use std::time::Duration;
 
-use idem_core::{
-    Backend, ClaimKind, ClaimOutcome, Error, FailureKind, Key, Lease, Settlement, State, Timestamp,
-};
+use idem_core::backend::{ClaimOutcome, Settlement};
+use idem_core::{Backend, ClaimKind, Error, FailureKind, Key, Lease, State, Timestamp};
 use idem_redis::RedisBackend;
 use redis::aio::ConnectionLike;
 

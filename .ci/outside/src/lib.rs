@@ -1,17 +1,17 @@
 //! A backend of this crate's own, written against idem's public API only: the records in
 //! one `BTreeMap` under one lock, each operation the state machine's transition
-//! (`idem_once::machine`) applied under it. Small on purpose; what makes it correct is the
-//! published conformance suite (`tests/conformance.rs`).
+//! (`idem_once::backend::machine`) applied under it. Small on purpose; what makes it
+//! correct is the published conformance suite (`tests/conformance.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use idem_once::clock::Clock;
-use idem_once::{
-    Backend, Bytes, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, Record,
-    Result, Timestamp, async_trait, machine,
+use idem_once::backend::{
+    Capabilities, Claim, ClaimOutcome, Settlement, async_trait, check_response, machine,
 };
+use idem_once::{Backend, Error, Key, Lease, Record, Result, Timestamp};
 
 /// Records in a map under one lock, on an injectable clock.
 #[derive(Clone)]
@@ -41,26 +41,11 @@ impl MapBackend {
     ) -> Result<Option<Timestamp>> {
         let now = self.clock.now();
         let mut records = self.records();
-        let fenced = || Error::Fenced {
-            key: lease.key.clone(),
-            token: lease.token,
-        };
+        let fenced = || Error::fenced(lease);
         let next = step(records.get(&lease.key), now).ok_or_else(fenced)?;
         let until = next.lease_until;
         records.insert(lease.key.clone(), next);
         Ok(until)
-    }
-
-    fn check_size(response: &Bytes) -> Result<()> {
-        let limit = Capabilities::default().max_response_bytes;
-        if response.len() > limit {
-            return Err(Error::TooLarge {
-                what: "response",
-                size: response.len(),
-                limit,
-            });
-        }
-        Ok(())
     }
 }
 
@@ -81,30 +66,33 @@ impl Backend for MapBackend {
         Ok(answer)
     }
 
-    async fn complete(&self, lease: &Lease, response: Bytes, retention: Duration) -> Result<()> {
-        Self::check_size(&response)?;
-        self.update(lease, |cur, now| {
-            machine::complete(cur, lease, response, retention, now)
-        })
-        .map(drop)
+    /// In turn, as separate claims would.
+    async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
+        let mut out = Vec::with_capacity(claims.len());
+        for claim in claims {
+            out.push(self.claim(claim).await?);
+        }
+        Ok(out)
     }
 
-    async fn fail(
+    /// In turn, as separate settles would: the response checked first, then the
+    /// state machine's transition.
+    async fn settle_many(
         &self,
-        lease: &Lease,
-        error: &str,
-        kind: FailureKind,
+        items: &[Settlement],
         retention: Duration,
-    ) -> Result<()> {
-        self.update(lease, |cur, now| {
-            machine::fail(cur, lease, error, kind, retention, now)
-        })
-        .map(drop)
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<()> {
-        self.update(lease, |cur, now| machine::release(cur, lease, now))
-            .map(drop)
+    ) -> Result<Vec<Result<()>>> {
+        let limit = self.capabilities().max_response_bytes;
+        Ok(items
+            .iter()
+            .map(|item| {
+                check_response(&item.settle, limit)?;
+                self.update(&item.lease, |cur, now| {
+                    machine::settle(cur, &item.lease, &item.settle, retention, now)
+                })
+                .map(drop)
+            })
+            .collect())
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {

@@ -5,10 +5,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use idem_core::{
-    Backend, Capabilities, Claim, ClaimOutcome, FailureKind, Key, Lease, ListFilter,
-    OffsetPosition, Outcome, Record, Result, Settlement, StoredOffset, Timestamp, Transactional,
+use idem_core::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, OffsetPosition, Settlement, StoredOffset,
     TxFuture,
+};
+use idem_core::{
+    Backend, FailureKind, Key, Lease, Outcome, Record, Result, Timestamp, Transactional,
 };
 use idem_postgres::{PgBackend, PgTransaction};
 

@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{Backend, Claim, ClaimOutcome, Fingerprint, Key, Settlement};
+use idem_core::backend::{Claim, ClaimOutcome, Settlement};
+use idem_core::{Backend, Fingerprint, Key};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::BenchArgs;

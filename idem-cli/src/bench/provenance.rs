@@ -3,7 +3,7 @@
 
 use std::process::{Command, Stdio};
 
-use idem_once::driver::redact;
+use idem_once::backend::driver::redact;
 use serde::Serialize;
 
 /// Where a run's figures come from.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use idem_core::Backend;
 use idem_core::layer::Coalesce;
-use idem_once::driver::{Options, RAW_RETENTION, RawWrite, Store};
+use idem_once::backend::driver::{Options, RAW_RETENTION, RawWrite, Store};
 
 use crate::error::{Result, StoreContext};
 use crate::target::Target;

@@ -23,7 +23,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use crate::cli::DemoArgs;
 use crate::error::{Error, Result, StoreContext};
 use crate::target::Target;
-use idem_once::driver::Options;
+use idem_once::backend::driver::Options;
 use idem_side::CrashAt;
 use plan::{DLQ, Ledger, PARTITIONS, Plan, Stage, TOPIC};
 use report::{Counters, Report};

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use assert_cmd::cargo::cargo_bin_cmd;
 use bytes::Bytes;
-use idem_core::{Backend, Claim, ClaimKind, ClaimOutcome, Key, Lease, State};
+use idem_core::backend::{Claim, ClaimOutcome};
+use idem_core::{Backend, ClaimKind, Key, Lease, State};
 
 /// Runs `idem` with `args`, no stdin, and returns what it did.
 pub fn idem(args: &[&str]) -> Output {

@@ -9,8 +9,9 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 
 use super::{Around, Call, Layer, Layered, Op};
-use crate::watch::Watchers;
-use crate::{Backend, Error, Key, Result, Watch};
+use crate::backend::watch::Watch;
+use crate::backend::watch::Watchers;
+use crate::{Backend, Error, Key, Result};
 
 /// A kind of call [`Chaos`] can refuse.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

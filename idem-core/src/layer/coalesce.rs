@@ -10,10 +10,8 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use super::Layer;
-use crate::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter, Record,
-    Result, Settlement, Timestamp, Watch,
-};
+use crate::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, watch::Watch};
+use crate::{Backend, Error, FailureKind, Key, Lease, Record, Result, Timestamp};
 
 /// [`Coalesce`] as a [`Layer`].
 #[derive(Clone, Copy, Debug, Default)]

@@ -40,11 +40,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::{
-    Backend, Capabilities, Claim, ClaimOutcome, FailureKind, Key, Lease, ListFilter,
-    OffsetPosition, Outcome, Record, Result, Settle, Settlement, StoredOffset, Timestamp,
-    Transactional, TxFuture, Watch,
+use crate::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, OffsetPosition, Settle, Settlement,
+    StoredOffset, TxFuture, watch::Watch,
 };
+use crate::{Backend, FailureKind, Key, Lease, Outcome, Record, Result, Timestamp, Transactional};
 
 /// Makes a backend out of another, as `tower::Layer` does for services.
 pub trait Layer<B> {

@@ -7,10 +7,13 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::Layer;
+use crate::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, OffsetPosition, Settle, Settlement,
+    StoredOffset, TxFuture, watch::Watch,
+};
 use crate::{
-    Backend, Capabilities, Claim, ClaimOutcome, Error, FailureKind, Key, Lease, ListFilter,
-    OffsetPosition, Outcome, Record, Result, Settle, Settlement, State, StoredOffset, Timestamp,
-    Transactional, TxFuture, Watch,
+    Backend, Error, FailureKind, Key, Lease, Outcome, Record, Result, State, Timestamp,
+    Transactional,
 };
 
 /// Retries a call that answered [`Error::Unavailable`], and only that: every other answer

@@ -4,7 +4,8 @@
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use idem_core::{ClaimOutcome, Engine, Outcome, Ran, Settlement};
+use idem_core::backend::{ClaimOutcome, Ran, Settlement};
+use idem_core::{Engine, Outcome};
 use tokio_util::sync::CancellationToken;
 
 use super::{Flow, Item, Kind, Worker};

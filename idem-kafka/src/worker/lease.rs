@@ -3,9 +3,8 @@
 
 use std::sync::Arc;
 
-use idem_core::{
-    ClaimOutcome, Context, Engine, FailureKind, Lease, Outcome, Ran, Settle, Settlement,
-};
+use idem_core::backend::{ClaimOutcome, Ran, Settle, Settlement};
+use idem_core::{Context, Engine, FailureKind, Lease, Outcome};
 use tracing::Instrument;
 
 use super::{Failing, Flow, Item, Kind, Worker};

@@ -27,7 +27,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use idem_core::{Claim, ClaimOutcome, Engine, OffsetPosition};
+use idem_core::Engine;
+use idem_core::backend::{Claim, ClaimOutcome, OffsetPosition};
 use tokio::sync::Semaphore;
 use tracing::Span;
 

@@ -4,10 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{
-    ClaimOutcome, Engine, FailureKind, HandlerError, Outcome, Ran, Settlement, Timestamp,
-    WaitPolicy,
-};
+use idem_core::backend::{ClaimOutcome, Ran, Settlement};
+use idem_core::{Engine, FailureKind, HandlerError, Outcome, Timestamp, WaitPolicy};
 use tracing::Instrument;
 
 use super::lease::Pending;
@@ -169,9 +167,9 @@ impl Worker {
             // Not under the engine, whose `run_leased` catches a panic in the call itself:
             // caught here, it fails the attempt like a panic in the future.
             let msg = item.msg.clone();
-            let slot = Slot::new(futures::FutureExt::boxed(idem_core::panic_at_poll(|| {
-                handler(msg, None)
-            })));
+            let slot = Slot::new(futures::FutureExt::boxed(
+                idem_core::backend::panic_at_poll(|| handler(msg, None)),
+            ));
             let offset = item.msg.offset();
             let run = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
                 slot.poll_with(|| self.probe(Point::AfterEffect, offset)),

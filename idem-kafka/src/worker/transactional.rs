@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use idem_core::{Claim, OffsetPosition, Outcome};
+use idem_core::Outcome;
+use idem_core::backend::{Claim, OffsetPosition};
 
 use super::{Failing, Flow, Item, Kind, Worker};
 use crate::probe::Point;

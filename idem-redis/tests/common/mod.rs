@@ -8,7 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use idem_conformance::service_env;
-use idem_core::{Claim, Fingerprint, Key};
+use idem_core::backend::Claim;
+use idem_core::{Fingerprint, Key};
 use idem_redis::{RedisBackend, RedisConfig};
 
 pub const HOUR: Duration = Duration::from_secs(3600);

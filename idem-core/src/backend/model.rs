@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{Claim, ClaimOutcome, FailureKind, Key, Lease, Record, Timestamp, machine};
+use crate::backend::{Claim, ClaimOutcome, machine};
+use crate::{FailureKind, Key, Lease, Record, Timestamp};
 
 /// A single-threaded, obviously-correct store of records.
 #[derive(Debug, Clone, Default)]
@@ -77,7 +78,7 @@ impl Model {
 
     /// One item of [`Backend::settle_many`](crate::Backend::settle_many); `false` when
     /// fenced.
-    pub fn settle(&mut self, item: &crate::Settlement, retention: Duration) -> bool {
+    pub fn settle(&mut self, item: &crate::backend::Settlement, retention: Duration) -> bool {
         let cur = self.records.get(&item.lease.key);
         let next = machine::settle(cur, &item.lease, &item.settle, retention, self.now);
         self.put(next)

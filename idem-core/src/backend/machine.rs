@@ -1,6 +1,6 @@
 //! The state machine of CONTRACT.md as pure functions: given the record a store holds (or
 //! none), a request and the deciding clock's `now`, they return the answer and the record
-//! to store. The in-memory backend and the [`Model`](crate::Model) apply them as they are;
+//! to store. The in-memory backend and the [`Model`](crate::backend::Model) apply them as they are;
 //! the other backends implement the same table in their store's language (Lua, SQL,
 //! condition expressions) and the conformance suite checks that they agree.
 
@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{Claim, ClaimKind, ClaimOutcome, FailureKind, Lease, Record, State, Timestamp};
+use crate::backend::Settle;
+use crate::backend::{Claim, ClaimOutcome};
+use crate::{ClaimKind, FailureKind, Lease, Record, State, Timestamp};
 
 /// The error text a record gets when a claim finds its lease lapsed with no attempts left.
 pub fn lapsed_error(attempts: u32) -> String {
@@ -210,7 +212,7 @@ fn released(rec: &mut Record, now: Timestamp) {
 pub fn settle(
     current: Option<&Record>,
     lease: &Lease,
-    settle: &crate::Settle,
+    settle: &Settle,
     retention: Duration,
     now: Timestamp,
 ) -> Option<Record> {
@@ -224,26 +226,26 @@ pub fn settle(
 pub fn settle_in_place(
     record: &mut Record,
     lease: &Lease,
-    settle: &crate::Settle,
+    settle: &Settle,
     retention: Duration,
     now: Timestamp,
 ) -> bool {
     match settle {
-        crate::Settle::Complete(response) => {
+        Settle::Complete(response) => {
             let held = holds(Some(record), lease, now);
             if held {
                 completed(record, response.clone(), retention, now);
             }
             held
         }
-        crate::Settle::Fail { error, kind } => {
+        Settle::Fail { error, kind } => {
             let held = holds(Some(record), lease, now);
             if held {
                 failed(record, error, *kind, retention, now);
             }
             held
         }
-        crate::Settle::Release => {
+        Settle::Release => {
             let held = may_release(record, lease, now);
             if held {
                 released(record, now);
