@@ -7,6 +7,8 @@ pub mod cases;
 mod counting;
 mod failures;
 mod property;
+mod records;
+mod support;
 mod waiting;
 
 use std::future::Future;
