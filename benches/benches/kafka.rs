@@ -539,30 +539,7 @@ impl Stores {
     /// moved by 2x from run to run.
     async fn reset(&self) {
         if let Some((_, raw)) = &self.redis {
-            let mut conn = raw.clone();
-            let mut cursor = 0u64;
-            loop {
-                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(format!("{REDIS_PREFIX}*"))
-                    .arg("COUNT")
-                    .arg(10_000)
-                    .query_async(&mut conn)
-                    .await
-                    .expect("SCAN");
-                if !keys.is_empty() {
-                    let () = redis::cmd("UNLINK")
-                        .arg(&keys)
-                        .query_async(&mut conn)
-                        .await
-                        .expect("UNLINK");
-                }
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
-            }
+            support::clear_redis(raw, REDIS_PREFIX).await;
         }
         if let Some(pg) = &self.postgres {
             let tables = [

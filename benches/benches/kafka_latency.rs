@@ -527,30 +527,7 @@ impl Stores {
 
     /// Removes the keys earlier runs left in Redis.
     async fn clear_redis(&self) {
-        let mut conn = self.redis_raw.clone();
-        let mut cursor = 0u64;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{REDIS_PREFIX}*"))
-                .arg("COUNT")
-                .arg(10_000)
-                .query_async(&mut conn)
-                .await
-                .expect("SCAN");
-            if !keys.is_empty() {
-                let () = redis::cmd("UNLINK")
-                    .arg(&keys)
-                    .query_async(&mut conn)
-                    .await
-                    .expect("UNLINK");
-            }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
+        support::clear_redis(&self.redis_raw, REDIS_PREFIX).await;
     }
 
     /// Redis `PING` round trips.

@@ -268,3 +268,32 @@ pub fn today() -> String {
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}-{month:02}-{day:02}")
 }
+
+/// Removes every Redis key that starts with `prefix` (what earlier runs left), by `SCAN`
+/// and `UNLINK`.
+pub async fn clear_redis(conn: &redis::aio::ConnectionManager, prefix: &str) {
+    let mut conn = conn.clone();
+    let mut cursor = 0u64;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut conn)
+            .await
+            .expect("SCAN");
+        if !keys.is_empty() {
+            let () = redis::cmd("UNLINK")
+                .arg(&keys)
+                .query_async(&mut conn)
+                .await
+                .expect("UNLINK");
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+}
