@@ -161,7 +161,7 @@ impl ConsumerBuilder {
 
     /// The handler. It gets the message and the lease's [`Context`] (its fencing token;
     /// `None` only for a keyless message under [`MissingKey::Process`]) and returns the
-    /// response bytes, or a retryable or permanent [`HandlerError`].
+    /// response bytes, or a retryable or permanent [`HandlerError`](idem_core::HandlerError).
     pub fn handler<F, Fut>(mut self, handler: F) -> Self
     where
         F: Fn(Message, Option<Context>) -> Fut + Send + Sync + 'static,

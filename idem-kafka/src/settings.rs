@@ -53,7 +53,7 @@ impl DeadLetterTopic {
     }
 }
 
-/// The most messages [`ConsumerBuilder::batch_size`] takes.
+/// The most messages [`ConsumerBuilder::batch_size`](crate::ConsumerBuilder::batch_size) takes.
 pub const MAX_BATCH_SIZE: usize = 1 << 16;
 
 /// The longest topic name Kafka accepts.
