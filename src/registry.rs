@@ -62,6 +62,7 @@ macro_rules! registry {
 registry! {
     "redis" => idem_redis::DRIVER, "redis" ["redis", "rediss", "redis+unix"];
     "postgres" => idem_postgres::DRIVER, "postgres" ["postgres", "postgresql"];
+    "mysql" => idem_mysql::DRIVER, "mysql" ["mysql", "mariadb"];
     "dynamo" => idem_dynamo::DRIVER, "dynamodb" ["dynamodb"];
 }
 
