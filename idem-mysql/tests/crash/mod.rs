@@ -125,15 +125,15 @@ impl Probe for CrashProbe {
             return Verdict::Crash;
         }
         let mut armed = self.armed.lock().expect("lock");
-        if let Some((p, left)) = armed.as_mut() {
-            if *p == point {
-                *left -= 1;
-                if *left == 0 {
-                    *armed = None;
-                    self.fired.store(true, Ordering::SeqCst);
-                    let _ = self.crashed_tx.send((self.instance, point));
-                    return Verdict::Crash;
-                }
+        if let Some((p, left)) = armed.as_mut()
+            && *p == point
+        {
+            *left -= 1;
+            if *left == 0 {
+                *armed = None;
+                self.fired.store(true, Ordering::SeqCst);
+                let _ = self.crashed_tx.send((self.instance, point));
+                return Verdict::Crash;
             }
         }
         Verdict::Continue
@@ -375,17 +375,15 @@ pub async fn run(brokers: &str, store: Arc<dyn Store>, plan: Plan) -> Figures {
             let stable = running
                 .values()
                 .all(|i| i.probe.mine.load(Ordering::Relaxed) > 0);
-            if stable {
-                if let Some(point) = plans.next() {
-                    let ids: Vec<u32> = running.keys().copied().collect();
-                    let victim = ids[fastrand::usize(..ids.len())];
-                    let countdown = match point {
-                        Point::AfterEffect | Point::AfterSettle => fastrand::u32(1..=10),
-                        _ => fastrand::u32(1..=2),
-                    };
-                    running[&victim].probe.arm(point, countdown);
-                    armed = Some((victim, Instant::now()));
-                }
+            if stable && let Some(point) = plans.next() {
+                let ids: Vec<u32> = running.keys().copied().collect();
+                let victim = ids[fastrand::usize(..ids.len())];
+                let countdown = match point {
+                    Point::AfterEffect | Point::AfterSettle => fastrand::u32(1..=10),
+                    _ => fastrand::u32(1..=2),
+                };
+                running[&victim].probe.arm(point, countdown);
+                armed = Some((victim, Instant::now()));
             }
         }
         tokio::select! {
