@@ -13,6 +13,10 @@ pub use idem_core::{
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idem_postgres as postgres;
 
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use idem_mysql as mysql;
+
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use idem_redis as redis;

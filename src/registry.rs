@@ -62,6 +62,7 @@ macro_rules! registry {
 registry! {
     "redis" => idem_redis::DRIVER, "redis" ["redis", "rediss", "redis+unix"];
     "postgres" => idem_postgres::DRIVER, "postgres" ["postgres", "postgresql"];
+    "mysql" => idem_mysql::DRIVER, "mysql" ["mysql", "mariadb"];
     "dynamo" => idem_dynamo::DRIVER, "dynamodb" ["dynamodb"];
 }
 
@@ -136,7 +137,7 @@ mod tests {
     #[test]
     fn every_registered_backend_answers_to_its_schemes() {
         let names: Vec<_> = drivers().iter().map(|r| r.name).collect();
-        assert_eq!(names, ["memory", "redis", "postgres", "dynamodb"]);
+        assert_eq!(names, ["memory", "redis", "postgres", "mysql", "dynamodb"]);
         for r in drivers() {
             for scheme in r.schemes {
                 match (driver_for(&format!("{scheme}://h/x")), r.driver) {
@@ -156,8 +157,8 @@ mod tests {
     #[test]
     fn unknown_and_schemeless_urls_say_so() {
         assert_eq!(
-            driver_for("mysql://db/x").err(),
-            Some(LookupError::UnknownScheme("mysql".into()))
+            driver_for("nosuchstore://db/x").err(),
+            Some(LookupError::UnknownScheme("nosuchstore".into()))
         );
         assert_eq!(driver_for("nonsense").err(), Some(LookupError::NoScheme));
         assert_eq!(driver_for("memory").map(|d| d.name()).ok(), Some("memory"));

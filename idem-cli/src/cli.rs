@@ -8,7 +8,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 /// idem: effectively-once processing for Kafka consumers.
 ///
 /// Backends are named by URL: memory:, redis://host:port/db, postgres://user@host/db
-/// (?schema=name), dynamodb://TABLE?endpoint=http://host:port&region=name.
+/// (?schema=name), mysql://user@host/db (?schema=name),
+/// dynamodb://TABLE?endpoint=http://host:port&region=name.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, propagate_version = true)]
 pub struct Cli {

@@ -12,7 +12,10 @@ fn a_bad_url_gets_one_line_naming_the_forms() {
     for (url, why) in [
         ("localhost:6379", "unknown scheme \"localhost\""),
         ("nonsense", "no scheme"),
-        ("mysql://u:s3cret@db/x", "unknown scheme \"mysql\""),
+        (
+            "nosuchstore://u:s3cret@db/x",
+            "unknown scheme \"nosuchstore\"",
+        ),
         ("postgres://", "no host"),
         ("memory:extra", "write memory: with nothing after it"),
     ] {

@@ -1,0 +1,200 @@
+//! `MySqlBackend`: the `Backend` trait on MySQL and MariaDB (InnoDB).
+
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement};
+use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::{AssertSqlSafe, Executor};
+
+use crate::config::MySqlConfig;
+use crate::error::{map, within};
+use crate::locked::decode;
+use crate::sql::Tables;
+
+/// What every connection of idem's pool runs first: read committed, so that a claim's
+/// `SELECT … FOR UPDATE` of keys that do not exist yet takes no gap locks (two claims of
+/// new keys would otherwise deadlock on each other's gaps). sqlx also sets `time_zone` to
+/// `+00:00` at connect (its default), which the clock needs: `NOW(6)` is read back as
+/// milliseconds with `UNIX_TIMESTAMP`, exact only in a zone without daylight saving.
+pub const SESSION: &str = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// Records in an InnoDB table; the server's clock (`NOW(6)`) decides lease lapse.
+#[derive(Clone, Debug)]
+pub struct MySqlBackend {
+    pub(crate) pool: MySqlPool,
+    pub(crate) tables: Arc<Tables>,
+    schema: Option<String>,
+    pub(crate) max_response_bytes: usize,
+    purge_batch: u32,
+    pub(crate) timeout: Duration,
+}
+
+impl MySqlBackend {
+    /// Connects a pool. Does not create tables: call [`MySqlBackend::migrate`] once.
+    pub async fn connect(config: MySqlConfig) -> Result<Self> {
+        let connect_timeout = config.connect_timeout();
+        if config.max_connections() == 0 {
+            // sqlx's pool would panic on it.
+            return Err(Error::config("max_connections must be at least 1"));
+        }
+        config.quoted_schema()?;
+        let what = format!("connect to {}", config.redacted_url());
+        let url = config.url().replacen("mariadb://", "mysql://", 1);
+        let options = MySqlConnectOptions::from_str(&url)
+            .map_err(|e| map(&what, e))?
+            .timezone(Some("+00:00".to_owned()));
+        let pool = MySqlPoolOptions::new()
+            .max_connections(config.max_connections())
+            .acquire_timeout(connect_timeout)
+            // No ping before every checkout: it doubles the round trips, and a dead
+            // connection surfaces as `Unavailable` on its next statement anyway.
+            .test_before_acquire(false)
+            .after_connect(|conn, _| {
+                Box::pin(async move { conn.execute(SESSION).await.map(drop) })
+            });
+        // The first connection is bounded too: a server that accepts and never answers is
+        // `Unavailable` after `connect_timeout`, not a hang.
+        let pool = within(&what, connect_timeout, pool.connect_with(options)).await?;
+        Self::from_pool(pool, config)
+    }
+
+    /// Uses an existing pool; `config` gives the schema and limits (its URL is not used).
+    /// Give its connections [`SESSION`]'s settings (`after_connect`): without read
+    /// committed, concurrent claims of new keys deadlock more often (each is retried, so
+    /// answers stay right but slower), and without a `+00:00` time zone the clock may jump
+    /// by an hour at a daylight-saving change.
+    pub fn from_pool(pool: MySqlPool, config: MySqlConfig) -> Result<Self> {
+        let schema = config.quoted_schema()?;
+        Ok(MySqlBackend {
+            pool,
+            tables: Arc::new(Tables::new(schema)),
+            schema: config.schema().map(str::to_owned),
+            max_response_bytes: config.max_response_bytes(),
+            purge_batch: config.purge_batch().max(1),
+            timeout: config.query_timeout(),
+        })
+    }
+
+    /// The schema holding idem's tables, if one was configured (unquoted).
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// The pool, for the caller's own queries.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// Creates the schema (if one is configured) and the tables `idem_records` and
+    /// `idem_offsets`, where missing (idempotent).
+    pub async fn migrate(&self) -> Result<()> {
+        for stmt in self.tables.migrations() {
+            let query = sqlx::query(AssertSqlSafe(stmt)).execute(&self.pool);
+            self.timed("migrate", query).await?;
+        }
+        Ok(())
+    }
+
+    /// Runs `fut` within the query timeout; a timeout is `Unavailable`.
+    pub(crate) async fn timed<T>(
+        &self,
+        what: &str,
+        fut: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T> {
+        within(what, self.timeout, Box::pin(fut)).await
+    }
+}
+
+#[async_trait]
+impl Backend for MySqlBackend {
+    /// One transaction per batch: one locking read of the batch's records, one write of
+    /// the records granted, COMMIT (see `claim.rs`).
+    async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
+        self.claim_batch(claims).await
+    }
+
+    /// One transaction per batch, as for claims (see `settle.rs`).
+    async fn settle_many(
+        &self,
+        items: &[Settlement],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        self.settle_batch(items, retention).await
+    }
+
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
+        self.extend_lease(lease, ttl).await
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>> {
+        let sql = self.tables.get();
+        let query = sqlx::query(AssertSqlSafe(sql))
+            .bind(key.namespace().as_bytes())
+            .bind(key.id().as_bytes());
+        let row = self.timed("get", query.fetch_optional(&self.pool)).await?;
+        row.as_ref().map(decode).transpose()
+    }
+
+    async fn delete(&self, key: &Key) -> Result<bool> {
+        let live = sqlx::query(AssertSqlSafe(self.tables.delete_live()))
+            .bind(key.namespace().as_bytes())
+            .bind(key.id().as_bytes());
+        let done = self.timed("delete", live.execute(&self.pool)).await?;
+        if done.rows_affected() > 0 {
+            return Ok(true);
+        }
+        // An expired record counts as absent; it goes too.
+        let any = sqlx::query(AssertSqlSafe(self.tables.delete_any()))
+            .bind(key.namespace().as_bytes())
+            .bind(key.id().as_bytes());
+        self.timed("delete", any.execute(&self.pool)).await?;
+        Ok(false)
+    }
+
+    async fn purge_expired(&self) -> Result<u64> {
+        let mut purged = 0;
+        loop {
+            let query =
+                sqlx::query(AssertSqlSafe(self.tables.purge())).bind(i64::from(self.purge_batch));
+            let done = self.timed("purge", query.execute(&self.pool)).await?;
+            purged += done.rows_affected();
+            if done.rows_affected() < u64::from(self.purge_batch) {
+                return Ok(purged);
+            }
+        }
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+        let sql = self.tables.list(
+            filter.namespace.is_some(),
+            filter.state.is_some(),
+            filter.limit > 0,
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql));
+        if let Some(ns) = &filter.namespace {
+            query = query.bind(ns.as_bytes());
+        }
+        if let Some(state) = filter.state {
+            query = query.bind(state.as_str());
+        }
+        if filter.limit > 0 {
+            query = query.bind(i64::try_from(filter.limit).unwrap_or(i64::MAX));
+        }
+        let rows = self.timed("list", query.fetch_all(&self.pool)).await?;
+        rows.iter().map(decode).collect()
+    }
+
+    /// No `notify`: MySQL has no LISTEN/NOTIFY, so a waiting engine polls (the default
+    /// [`Backend::watch`] only times out).
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+            .with_list(true)
+            .with_notify(false)
+            .with_max_response_bytes(self.max_response_bytes)
+    }
+}

@@ -1,0 +1,19 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod backend;
+mod claim;
+mod config;
+mod driver;
+mod error;
+mod locked;
+mod settle;
+mod sql;
+mod transactional;
+
+pub use backend::{MySqlBackend, SESSION};
+pub use config::MySqlConfig;
+pub use driver::{DRIVER, MySqlDriver};
+pub use idem_core::backend::{OffsetPosition, StoredOffset};
+pub use transactional::MySqlTransaction;

@@ -1,0 +1,309 @@
+//! The one write path: lock the records of a batch's keys (`SELECT … FOR UPDATE`, which
+//! also reads the server's clock), apply idem's state machine
+//! (`idem_core::backend::machine`) to them in order, and write back the records it changed,
+//! in one InnoDB transaction. MySQL has no `UPDATE … RETURNING`, so the answers are
+//! decided here, under the row locks, rather than by the statement; the clock that decides
+//! is still the server's (`NOW(6)`, read by the locking statement).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{Error, Fingerprint, Key, Record, Result, State, Timestamp};
+use sqlx::mysql::{MySqlArguments, MySqlRow};
+use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row};
+
+use crate::backend::MySqlBackend;
+use crate::error::{map, retryable};
+
+/// A statement with its arguments.
+pub(crate) type MyQuery<'q> = sqlx::query::Query<'q, MySql, MySqlArguments>;
+
+/// How often a transaction that met a deadlock or a concurrent first insert runs again
+/// before the call answers `Unavailable`.
+const TRIES: u32 = 64;
+/// Rows per write statement: 12 parameters each, well under MySQL's 65,535.
+const CHUNK: usize = 2000;
+
+/// The records of a batch's keys, locked by the open transaction, and the server's clock.
+pub(crate) struct Locked {
+    /// The server's clock when the records were locked.
+    pub now: Timestamp,
+    slots: HashMap<Key, Slot>,
+}
+
+struct Slot {
+    /// A row exists (live or expired): a write updates it; otherwise it inserts one.
+    exists: bool,
+    record: Option<Record>,
+    dirty: bool,
+}
+
+impl Locked {
+    /// The record of `key` as the batch has left it so far (`None`: no row; an expired row
+    /// is given as it is, and the state machine treats it as absent).
+    pub fn get(&self, key: &Key) -> Option<&Record> {
+        self.slots.get(key).and_then(|s| s.record.as_ref())
+    }
+
+    /// Replaces the record of its key, to be written at the end of the transaction.
+    pub fn set(&mut self, record: Record) {
+        let slot = self.slots.entry(record.key.clone()).or_insert(Slot {
+            exists: false,
+            record: None,
+            dirty: false,
+        });
+        slot.record = Some(record);
+        slot.dirty = true;
+    }
+}
+
+impl MySqlBackend {
+    /// Runs `apply` over the locked records of `keys` in a transaction of its own, writes
+    /// what it changed and commits; runs it all again after a deadlock or a concurrent
+    /// first insert of one of the keys. The whole call is bounded by the query timeout.
+    pub(crate) async fn transact<T, F>(&self, what: &str, keys: &[&Key], mut apply: F) -> Result<T>
+    where
+        F: FnMut(&mut Locked) -> T + Send,
+        T: Send,
+    {
+        let keys = distinct(keys);
+        let run = async {
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                let mut tx = self.pool.begin().await.map_err(|e| map(what, e))?;
+                match self.lock_apply_write(&mut tx, &keys, &mut apply).await {
+                    Ok(Ok(answer)) => {
+                        tx.commit().await.map_err(|e| map(what, e))?;
+                        return Ok(answer);
+                    }
+                    Ok(Err(e)) => {
+                        let _ = tx.rollback().await;
+                        return Err(e);
+                    }
+                    Err(e) if retryable(&e) && tries < TRIES => {
+                        let _ = tx.rollback().await;
+                        let pause = fastrand::u64(0..=u64::from(tries.min(10)));
+                        tokio::time::sleep(Duration::from_millis(pause)).await;
+                    }
+                    Err(e) => {
+                        let _ = tx.rollback().await;
+                        return Err(map(what, e));
+                    }
+                }
+            }
+        };
+        idem_core::layer::within(what, self.timeout, Box::pin(run)).await
+    }
+
+    /// Inside an open transaction: locks and reads `keys`, applies `apply`, writes what it
+    /// changed. A server error is the outer `Err` (the caller may run it all again); a
+    /// record that does not decode is the inner one.
+    pub(crate) async fn lock_apply_write<T, F>(
+        &self,
+        conn: &mut MySqlConnection,
+        keys: &[&Key],
+        apply: &mut F,
+    ) -> std::result::Result<Result<T>, sqlx::Error>
+    where
+        F: FnMut(&mut Locked) -> T + Send,
+    {
+        let mut locked = match self.lock(conn, keys).await? {
+            Ok(locked) => locked,
+            Err(e) => return Ok(Err(e)),
+        };
+        let answer = apply(&mut locked);
+        if let Err(e) = self.write(conn, &locked).await? {
+            return Ok(Err(e));
+        }
+        Ok(Ok(answer))
+    }
+
+    /// Locks and reads the records of `keys` (distinct), with the server's clock.
+    pub(crate) async fn lock(
+        &self,
+        conn: &mut MySqlConnection,
+        keys: &[&Key],
+    ) -> std::result::Result<Result<Locked>, sqlx::Error> {
+        let mut slots = HashMap::with_capacity(keys.len());
+        let mut now = None;
+        for chunk in keys.chunks(CHUNK) {
+            let sql = self.tables.lock(chunk.len());
+            let mut query = sqlx::query(AssertSqlSafe(sql));
+            for key in chunk {
+                query = query
+                    .bind(key.namespace().as_bytes())
+                    .bind(key.id().as_bytes());
+            }
+            let rows = query.fetch_all(&mut *conn).await?;
+            for row in &rows {
+                let ms: i64 = row.try_get("now_ms")?;
+                now = Some(Timestamp::from_millis(u64::try_from(ms).unwrap_or(0)));
+                let present: Option<Vec<u8>> = row.try_get("namespace")?;
+                if present.is_none() {
+                    continue;
+                }
+                let record = match decode(row) {
+                    Ok(record) => record,
+                    Err(e) => return Ok(Err(e)),
+                };
+                let slot = Slot {
+                    exists: true,
+                    record: Some(record.clone()),
+                    dirty: false,
+                };
+                slots.insert(record.key, slot);
+            }
+        }
+        let Some(now) = now else {
+            return Ok(Err(Error::corrupt("the lock statement returned no clock")));
+        };
+        for key in keys {
+            slots.entry((*key).clone()).or_insert(Slot {
+                exists: false,
+                record: None,
+                dirty: false,
+            });
+        }
+        Ok(Ok(Locked { now, slots }))
+    }
+
+    /// Writes the records `locked` changed: one insert for keys with no row (a concurrent
+    /// first insert makes it fail with `ER_DUP_ENTRY`, and the caller runs again), one
+    /// upsert for rows this transaction holds locked.
+    async fn write(
+        &self,
+        conn: &mut MySqlConnection,
+        locked: &Locked,
+    ) -> std::result::Result<Result<()>, sqlx::Error> {
+        let mut fresh = Vec::new();
+        let mut held = Vec::new();
+        for slot in locked.slots.values().filter(|s| s.dirty) {
+            if let Some(record) = &slot.record {
+                if let Err(e) = checked(record) {
+                    return Ok(Err(e));
+                }
+                if slot.exists {
+                    held.push(record);
+                } else {
+                    fresh.push(record);
+                }
+            }
+        }
+        for chunk in fresh.chunks(CHUNK) {
+            let query = bind_records(self.tables.insert(chunk.len()), chunk);
+            query.execute(&mut *conn).await?;
+        }
+        for chunk in held.chunks(CHUNK) {
+            let query = bind_records(self.tables.upsert(chunk.len()), chunk);
+            query.execute(&mut *conn).await?;
+        }
+        Ok(Ok(()))
+    }
+}
+
+/// `keys` without repeats, in their first order.
+fn distinct<'k>(keys: &[&'k Key]) -> Vec<&'k Key> {
+    let mut seen = std::collections::HashSet::with_capacity(keys.len());
+    keys.iter().copied().filter(|k| seen.insert(*k)).collect()
+}
+
+/// A record's numbers as the columns hold them: a token past `i64::MAX` cannot be stored.
+fn checked(record: &Record) -> Result<()> {
+    if i64::try_from(record.token).is_err() {
+        return Err(Error::corrupt(format!(
+            "token of {} is past the largest a record can hold",
+            record.key
+        )));
+    }
+    Ok(())
+}
+
+fn ms(t: Option<Timestamp>) -> Option<i64> {
+    t.map(|t| i64::try_from(t.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// `sql` (an insert of `records.len()` rows) with every record's columns bound.
+fn bind_records<'q>(sql: String, records: &[&'q Record]) -> MyQuery<'q> {
+    let mut query = sqlx::query(AssertSqlSafe(sql));
+    for r in records {
+        query = query
+            .bind(r.key.namespace().as_bytes())
+            .bind(r.key.id().as_bytes())
+            .bind(r.state.as_str())
+            .bind(r.owner.as_bytes())
+            .bind(i64::try_from(r.token).unwrap_or(i64::MAX))
+            .bind(i64::from(r.attempts))
+            .bind(ms(r.lease_until))
+            .bind(r.fingerprint.as_ref().map(|f| &f.0[..]))
+            .bind(r.response.as_deref())
+            .bind(r.error.as_deref().map(str::as_bytes))
+            .bind(r.permanent)
+            .bind(ms(r.expires_at));
+    }
+    query
+}
+
+/// Text stored as bytes, which must be UTF-8.
+fn text(row: &MySqlRow, column: &str, what: &str) -> Result<Option<String>> {
+    let bytes: Option<Vec<u8>> = row.try_get(column).map_err(|e| map(what, e))?;
+    bytes
+        .map(|b| String::from_utf8(b).map_err(|_| Error::corrupt(format!("{column} is not UTF-8"))))
+        .transpose()
+}
+
+/// Decodes a row of the record columns; anything that is not an idem record is `Corrupt`.
+pub(crate) fn decode(row: &MySqlRow) -> Result<Record> {
+    let what = "decode record";
+    let get = |e: sqlx::Error| map(what, e);
+    let missing = |c: &str| Error::corrupt(format!("{c} is NULL"));
+    let namespace = text(row, "namespace", what)?.ok_or_else(|| missing("namespace"))?;
+    let id = text(row, "id", what)?.ok_or_else(|| missing("id"))?;
+    let key = Key::new(namespace, id).map_err(|e| Error::Corrupt {
+        message: "stored key is not a valid key".into(),
+        source: Some(Box::new(e)),
+    })?;
+    let state: String = row.try_get("state").map_err(get)?;
+    let state =
+        State::parse(&state).ok_or_else(|| Error::corrupt(format!("state {state:?} of {key}")))?;
+    let owner = text(row, "owner", what)?.ok_or_else(|| missing("owner"))?;
+    let token: i64 = row.try_get("token").map_err(get)?;
+    let attempts: i32 = row.try_get("attempts").map_err(get)?;
+    let fingerprint: Option<Vec<u8>> = row.try_get("fingerprint").map_err(get)?;
+    let fingerprint = match fingerprint {
+        None => None,
+        Some(bytes) => Some(Fingerprint(bytes.as_slice().try_into().map_err(|_| {
+            Error::corrupt(format!(
+                "fingerprint of {key} is {} bytes, not 32",
+                bytes.len()
+            ))
+        })?)),
+    };
+    let time = |name: &str| -> Result<Option<Timestamp>> {
+        let ms: Option<i64> = row.try_get(name).map_err(get)?;
+        ms.map(|ms| {
+            u64::try_from(ms)
+                .map(Timestamp::from_millis)
+                .map_err(|_| Error::corrupt(format!("negative {name} of {key}")))
+        })
+        .transpose()
+    };
+    let response: Option<Vec<u8>> = row.try_get("response").map_err(get)?;
+    let permanent: bool = row.try_get("permanent").map_err(get)?;
+    Ok(Record {
+        state,
+        owner: owner.into(),
+        token: u64::try_from(token)
+            .map_err(|_| Error::corrupt(format!("negative token of {key}")))?,
+        attempts: u32::try_from(attempts)
+            .map_err(|_| Error::corrupt(format!("negative attempts of {key}")))?,
+        lease_until: time("lease_until_ms")?,
+        fingerprint,
+        response: response.map(Bytes::from),
+        error: text(row, "error", what)?,
+        permanent,
+        expires_at: time("expires_at_ms")?,
+        key,
+    })
+}

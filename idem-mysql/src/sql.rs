@@ -1,0 +1,239 @@
+//! The statements, built once per backend from the checked schema name. Values are always
+//! bound (`?`); the only text put into a statement is the quoted schema, checked in
+//! `MySqlConfig`, and the number of `?` groups of a batch.
+
+use std::fmt::Write;
+
+/// The server's clock in milliseconds since the Unix epoch: `NOW(6)`, on a connection
+/// whose `time_zone` is `+00:00` (sqlx sets it at connect), so `UNIX_TIMESTAMP` reads it
+/// back without a daylight-saving ambiguity.
+pub(crate) const NOW_MS: &str = "CAST(FLOOR(UNIX_TIMESTAMP(NOW(6)) * 1000) AS SIGNED)";
+
+/// The record columns, in the order every statement reads and binds them.
+pub(crate) const COLUMNS: [&str; 12] = [
+    "namespace",
+    "id",
+    "state",
+    "owner",
+    "token",
+    "attempts",
+    "lease_until_ms",
+    "fingerprint",
+    "response",
+    "error",
+    "permanent",
+    "expires_at_ms",
+];
+
+/// The tables, as `schema.table` or `table`.
+#[derive(Debug)]
+pub(crate) struct Tables {
+    pub records: String,
+    pub offsets: String,
+    schema: Option<String>,
+}
+
+impl Tables {
+    /// `schema` is quoted and checked already (`MySqlConfig::quoted_schema`).
+    pub fn new(schema: Option<String>) -> Tables {
+        let prefix = schema.as_ref().map_or(String::new(), |s| format!("{s}."));
+        Tables {
+            records: format!("{prefix}idem_records"),
+            offsets: format!("{prefix}idem_offsets"),
+            schema,
+        }
+    }
+
+    /// The statements that create what idem needs, each idempotent.
+    pub fn migrations(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(schema) = &self.schema {
+            out.push(format!("CREATE DATABASE IF NOT EXISTS {schema}"));
+        }
+        // Keys, owners and texts are bytes: compared byte for byte, stored as given,
+        // whatever the server's default character set and collation.
+        out.push(format!(
+            "CREATE TABLE IF NOT EXISTS {} (
+                namespace VARBINARY(128) NOT NULL,
+                id VARBINARY(512) NOT NULL,
+                state VARCHAR(16) CHARACTER SET ascii NOT NULL,
+                owner BLOB NOT NULL,
+                token BIGINT NOT NULL,
+                attempts INT NOT NULL,
+                lease_until_ms BIGINT NULL,
+                fingerprint VARBINARY(32) NULL,
+                response LONGBLOB NULL,
+                error MEDIUMBLOB NULL,
+                permanent BOOLEAN NOT NULL DEFAULT FALSE,
+                expires_at_ms BIGINT NULL,
+                PRIMARY KEY (namespace, id),
+                KEY idem_records_expiry (expires_at_ms)
+            ) ENGINE = InnoDB",
+            self.records
+        ));
+        out.push(format!(
+            "CREATE TABLE IF NOT EXISTS {} (
+                consumer_group VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+                topic VARCHAR(249) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+                kafka_partition INT NOT NULL,
+                next_offset BIGINT NOT NULL,
+                PRIMARY KEY (consumer_group, topic, kafka_partition)
+            ) ENGINE = InnoDB",
+            self.offsets
+        ));
+        out
+    }
+
+    /// Locks the records of `n` distinct keys (`?` pairs of namespace and id) and reads
+    /// them with the server's clock: one row with `now_ms` and NULL columns when none
+    /// exists. The scan of the primary key's ranges takes the row locks in key order.
+    pub fn lock(&self, n: usize) -> String {
+        let mut s = format!(
+            "SELECT d.now_ms, {} FROM (SELECT {NOW_MS} AS now_ms) d LEFT JOIN {} r ON (r.namespace, r.id) IN (",
+            columns("r."),
+            self.records
+        );
+        for i in 0..n {
+            s.push_str(if i == 0 { "(?, ?)" } else { ", (?, ?)" });
+        }
+        s.push_str(") FOR UPDATE");
+        s
+    }
+
+    /// Inserts `n` records; a key that exists fails the statement (`ER_DUP_ENTRY`).
+    pub fn insert(&self, n: usize) -> String {
+        let mut s = format!(
+            "INSERT INTO {} ({}) VALUES ",
+            self.records,
+            COLUMNS.join(", ")
+        );
+        let row = format!("({})", vec!["?"; COLUMNS.len()].join(", "));
+        for i in 0..n {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            s.push_str(&row);
+        }
+        s
+    }
+
+    /// Writes `n` records over rows this transaction holds locked.
+    pub fn upsert(&self, n: usize) -> String {
+        let mut s = self.insert(n);
+        s.push_str(" ON DUPLICATE KEY UPDATE ");
+        for (i, c) in COLUMNS[2..].iter().enumerate() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            let _ = write!(s, "{c} = VALUES({c})");
+        }
+        s
+    }
+
+    /// The live record of a key, with the server's clock.
+    pub fn get(&self) -> String {
+        format!(
+            "SELECT {}, {NOW_MS} AS now_ms FROM {} WHERE namespace = ? AND id = ? AND {}",
+            columns(""),
+            self.records,
+            live()
+        )
+    }
+
+    /// Deletes a key's record if it is live.
+    pub fn delete_live(&self) -> String {
+        format!(
+            "DELETE FROM {} WHERE namespace = ? AND id = ? AND {}",
+            self.records,
+            live()
+        )
+    }
+
+    /// Deletes a key's record, live or not.
+    pub fn delete_any(&self) -> String {
+        format!(
+            "DELETE FROM {} WHERE namespace = ? AND id = ?",
+            self.records
+        )
+    }
+
+    /// Deletes at most `?` expired records.
+    pub fn purge(&self) -> String {
+        format!(
+            "DELETE FROM {} WHERE expires_at_ms <= {NOW_MS} LIMIT ?",
+            self.records
+        )
+    }
+
+    /// Live records, filtered by namespace and state where `namespace` and `state` say so,
+    /// at most `?` of them where `limit`.
+    pub fn list(&self, namespace: bool, state: bool, limit: bool) -> String {
+        let mut s = format!(
+            "SELECT {}, {NOW_MS} AS now_ms FROM {} WHERE {}",
+            columns(""),
+            self.records,
+            live()
+        );
+        if namespace {
+            s.push_str(" AND namespace = ?");
+        }
+        if state {
+            s.push_str(" AND state = ?");
+        }
+        if limit {
+            s.push_str(" LIMIT ?");
+        }
+        s
+    }
+
+    /// Stores a group's next offset for a partition.
+    pub fn store_offset(&self) -> String {
+        format!(
+            "INSERT INTO {} (consumer_group, topic, kafka_partition, next_offset) \
+             VALUES (?, ?, ?, ?) ON DUPLICATE KEY UPDATE next_offset = VALUES(next_offset)",
+            self.offsets
+        )
+    }
+
+    /// A group's stored next offsets.
+    pub fn offsets(&self) -> String {
+        format!(
+            "SELECT topic, kafka_partition, next_offset FROM {} WHERE consumer_group = ?",
+            self.offsets
+        )
+    }
+}
+
+/// The record columns, each prefixed with `prefix` (a table alias and a dot, or nothing).
+fn columns(prefix: &str) -> String {
+    COLUMNS
+        .iter()
+        .map(|c| format!("{prefix}{c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The condition of a live record: not past its retention on the server's clock.
+fn live() -> String {
+    format!("(expires_at_ms IS NULL OR expires_at_ms > {NOW_MS})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_bind_every_value() {
+        let t = Tables::new(Some("`idem`".into()));
+        assert_eq!(t.records, "`idem`.idem_records");
+        let lock = t.lock(2);
+        assert!(lock.ends_with("IN ((?, ?), (?, ?)) FOR UPDATE"), "{lock}");
+        assert_eq!(t.insert(3).matches('?').count(), 3 * COLUMNS.len());
+        assert!(
+            t.upsert(1)
+                .contains("expires_at_ms = VALUES(expires_at_ms)")
+        );
+        assert!(!t.upsert(1).contains("id = VALUES(id)"));
+        assert_eq!(Tables::new(None).offsets, "idem_offsets");
+    }
+}
