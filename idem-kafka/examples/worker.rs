@@ -1,11 +1,13 @@
 //! A payment consumer in a process of its own, for the SIGKILL test (`tests/sigkill.rs`
 //! starts several, kills them with SIGKILL at random moments and starts replacements). It
 //! joins `--group` on `--topic` and applies each payment (the `idempotency-key` header)
-//! as a row of the PostgreSQL table `"<schema>".ledger` (payment, token, instance, kind),
-//! until its stdin closes or reads `stop`. Two modes:
+//! as a row of the table `<schema>.ledger` (payment, token, instance, kind), until its
+//! stdin closes or reads `stop`. Two modes:
 //!
-//! - `--mode transactional`: the store is PostgreSQL (`--store`, idem's tables migrated in
-//!   `--schema`), and the ledger row is written in the handler's transaction.
+//! - `--mode transactional`: the store is PostgreSQL or, given a `mysql://` or
+//!   `mariadb://` URL, MySQL (`--store`, idem's tables migrated in `--schema`), and the
+//!   ledger row is written in the handler's transaction, in the same database (`--ledger`
+//!   is not used).
 //! - `--mode lease`: the store is Redis (`--store`, keys under `idem-sigkill:<group>:`), and
 //!   the ledger row is committed on its own before the handler returns, so a kill between
 //!   the row and the `complete` leaves a real double effect for the takeover.
@@ -19,6 +21,9 @@
 //!   --topic payments --group billing --store redis://127.0.0.1:6379/ \
 //!   --ledger postgres://postgres@127.0.0.1:5432/test --schema ledger_1 [--instance 0] \
 //!   [--lease-ms 2000] [--work-ms 0]
+//! cargo run -p idem-kafka --example worker -- --mode transactional \
+//!   --brokers 127.0.0.1:19092 --topic payments --group billing \
+//!   --store mysql://root@127.0.0.1:3306/test --ledger unused --schema ledger_1
 //! ```
 
 use std::collections::HashMap;
@@ -31,12 +36,13 @@ use futures::FutureExt;
 use idem_core::{Bytes, Engine, HandlerError};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::{ConsumerBuilder, IdemConsumer, Message, Point, Probe, Verdict};
+use idem_mysql::{MySqlBackend, MySqlConfig};
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
 
 const USAGE: &str = "usage: worker --mode transactional|lease --brokers <b> --topic <t> \
-     --group <g> --store <url> --ledger <postgres url> --schema <schema> [--instance <n>] \
-     [--lease-ms <ms>] [--work-ms <ms>]";
+     --group <g> --store <postgres|mysql|redis url> --ledger <postgres url> \
+     --schema <schema> [--instance <n>] [--lease-ms <ms>] [--work-ms <ms>]";
 
 /// What the command line asked for.
 struct Args {
@@ -169,13 +175,13 @@ async fn run(args: Args) -> Result<u64, String> {
         .shutdown(async move {
             let _ = stop.await;
         });
-    let insert = format!(
-        "INSERT INTO \"{}\".ledger (payment, token, instance, kind) VALUES ($1, $2, $3, $4)",
-        args.schema
-    );
     let consumer = if args.mode == "transactional" {
-        transactional(builder, &args, insert).await?
+        transactional(builder, &args).await?
     } else {
+        let insert = format!(
+            "INSERT INTO \"{}\".ledger (payment, token, instance, kind) VALUES ($1, $2, $3, $4)",
+            args.schema
+        );
         lease(builder, &args, insert).await?
     };
     consumer.run().await.map_err(|e| format!("consumer: {e}"))?;
@@ -192,39 +198,63 @@ fn engine(backend: Arc<dyn idem_core::Backend>, args: &Args) -> Result<Engine, S
         .map_err(|e| format!("engine: {e}"))
 }
 
-/// Transactional mode on PostgreSQL: the ledger row commits with the record and offset.
-async fn transactional(
-    builder: ConsumerBuilder,
-    args: &Args,
-    insert: String,
-) -> Result<IdemConsumer, String> {
-    let config = PgConfig::new(args.store.as_str())
-        .with_schema(args.schema.as_str())
-        .with_max_connections(8);
-    let pg = PgBackend::connect(config)
-        .await
-        .map_err(|e| format!("--store: {e}"))?;
+/// Transactional mode: the ledger row commits with the record and offset, in one
+/// PostgreSQL transaction or, for a `mysql://` or `mariadb://` store, one InnoDB
+/// transaction.
+async fn transactional(builder: ConsumerBuilder, args: &Args) -> Result<IdemConsumer, String> {
     let (instance, work) = (args.instance, args.work);
-    builder
-        .engine(engine(Arc::new(pg.clone()), args)?)
-        .transactional(pg, move |msg, tx, lease| {
-            let insert = insert.clone();
-            async move {
-                let id = payment(&msg)?;
-                tokio::time::sleep(work).await;
-                sqlx::query(sqlx::AssertSqlSafe(insert))
-                    .bind(&id)
-                    .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
-                    .bind(instance)
-                    .bind(format!("{:?}", lease.kind))
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(Bytes::from(format!("paid {id}")))
+    // The handler: the same code for both stores, but for the statement's placeholders and
+    // the type of the transaction it writes through.
+    macro_rules! write_ledger {
+        ($insert:expr) => {{
+            let insert: String = $insert;
+            move |msg: Message, tx, lease: idem_core::Lease| {
+                let insert = insert.clone();
+                async move {
+                    let id = payment(&msg)?;
+                    tokio::time::sleep(work).await;
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(&id)
+                        .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+                        .bind(instance)
+                        .bind(format!("{:?}", lease.kind))
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(Bytes::from(format!("paid {id}")))
+                }
+                .boxed()
             }
-            .boxed()
-        })
-        .build()
-        .map_err(|e| format!("consumer: {e}"))
+        }};
+    }
+    let columns = "ledger (payment, token, instance, kind)";
+    let schema = args.schema.as_str();
+    let builder = if ["mysql://", "mariadb://"]
+        .iter()
+        .any(|s| args.store.starts_with(s))
+    {
+        let config = MySqlConfig::new(args.store.as_str())
+            .with_schema(schema)
+            .with_max_connections(8);
+        let my = MySqlBackend::connect(config)
+            .await
+            .map_err(|e| format!("--store: {e}"))?;
+        let insert = format!("INSERT INTO `{schema}`.{columns} VALUES (?, ?, ?, ?)");
+        builder
+            .engine(engine(Arc::new(my.clone()), args)?)
+            .transactional(my, write_ledger!(insert))
+    } else {
+        let config = PgConfig::new(args.store.as_str())
+            .with_schema(schema)
+            .with_max_connections(8);
+        let pg = PgBackend::connect(config)
+            .await
+            .map_err(|e| format!("--store: {e}"))?;
+        let insert = format!("INSERT INTO \"{schema}\".{columns} VALUES ($1, $2, $3, $4)");
+        builder
+            .engine(engine(Arc::new(pg.clone()), args)?)
+            .transactional(pg, write_ledger!(insert))
+    };
+    builder.build().map_err(|e| format!("consumer: {e}"))
 }
 
 /// Lease mode on Redis: the ledger row commits on its own, before `complete`.

@@ -1,9 +1,10 @@
 //! Consumer processes killed with SIGKILL at random moments and restarted, on the real
 //! broker (tansu, `IDEM_KAFKA_BROKERS`). Each worker is the `worker` example in a process
-//! of its own; the side effect of a payment is a row of a PostgreSQL ledger
-//! (`IDEM_POSTGRES_URL`). Payments are produced in waves; after each wave, once a random
-//! number of messages settled (plus a random pause), a random worker among those that
-//! settled something is killed and a replacement starts. When every payment is in the ledger and the group's offsets reach
+//! of its own; the side effect of a payment is a row of a ledger table in PostgreSQL
+//! (`IDEM_POSTGRES_URL`) or, in transactional mode, MySQL (`IDEM_MYSQL_URL`). Payments are
+//! produced in waves; after each wave, once a random number of messages settled (plus a
+//! random pause), a random worker among those that settled something is killed and a
+//! replacement starts. When every payment is in the ledger and the group's offsets reach
 //! the end, the remaining workers stop and the ledger is checked: no payment lost; in
 //! transactional mode each exactly once; in lease mode (Redis, `IDEM_REDIS_URL`) every
 //! double effect comes after a takeover with a higher token.
@@ -17,7 +18,10 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::Out;
+use idem_core::backend::StoredOffset;
 use idem_core::{Backend, Key, State, Transactional};
+use idem_mysql::{MySqlBackend, MySqlConfig};
+use idem_postgres::PgBackend;
 use tokio::sync::mpsc;
 
 const PAYMENTS: usize = 1000;
@@ -39,14 +43,148 @@ enum Mode {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_workers_transactional_postgres() {
-    let f = scenario(Mode::Transactional).await;
+    let f = scenario(Mode::Transactional, Sql::Postgres).await;
+    assert_eq!(f.effects, PAYMENTS, "each payment exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_transactional_mysql() {
+    let f = scenario(Mode::Transactional, Sql::Mysql).await;
     assert_eq!(f.effects, PAYMENTS, "each payment exactly once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_workers_lease_redis() {
-    let f = scenario(Mode::Lease).await;
+    let f = scenario(Mode::Lease, Sql::Postgres).await;
     assert_eq!(f.effects, PAYMENTS + f.doubles);
+}
+
+/// The database of the ledger (in transactional mode, idem's store too).
+#[derive(Clone, Copy)]
+enum Sql {
+    Postgres,
+    Mysql,
+}
+
+/// A `ledger` table of (payment, token, instance, kind, seq) rows with no uniqueness, so
+/// a double effect would show, in a schema of its own beside idem's migrated tables.
+enum Ledger {
+    Postgres(PgBackend),
+    Mysql(MySqlBackend),
+}
+
+/// `$body` with `$pool` bound to the ledger's pool, whichever database it is in.
+macro_rules! with_pool {
+    ($ledger:expr, |$pool:ident| $body:expr) => {
+        match $ledger {
+            Ledger::Postgres(b) => {
+                let $pool = b.pool();
+                $body
+            }
+            Ledger::Mysql(b) => {
+                let $pool = b.pool();
+                $body
+            }
+        }
+    };
+}
+
+impl Ledger {
+    /// Creates the ledger; also answers its server's URL.
+    async fn create(sql: Sql) -> (Ledger, String) {
+        let (ledger, url) = match sql {
+            Sql::Postgres => {
+                let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
+                (Ledger::Postgres(common::postgres().await.0), url)
+            }
+            Sql::Mysql => {
+                let url = idem_conformance::service_env("IDEM_MYSQL_URL");
+                let schema = format!("kafkatest_{}_{}", std::process::id(), fastrand::u32(..));
+                let config = MySqlConfig::new(url.as_str()).with_schema(schema.as_str());
+                let my = MySqlBackend::connect(config).await;
+                let my = my.expect("connect to IDEM_MYSQL_URL");
+                my.migrate().await.expect("migrate");
+                let ledger = Ledger::Mysql(my);
+                let create = format!(
+                    "CREATE TABLE {} (payment VARCHAR(64) NOT NULL, token BIGINT NOT NULL, \
+                     instance INT NOT NULL, kind VARCHAR(16) NOT NULL) ENGINE = InnoDB",
+                    ledger.table()
+                );
+                ledger.execute(create).await.expect("create the ledger");
+                (ledger, url)
+            }
+        };
+        let seq = match ledger {
+            Ledger::Postgres(_) => "bigserial",
+            Ledger::Mysql(_) => "BIGINT AUTO_INCREMENT PRIMARY KEY",
+        };
+        let q = format!("ALTER TABLE {} ADD COLUMN seq {seq}", ledger.table());
+        ledger.execute(q).await.expect("ledger order column");
+        (ledger, url)
+    }
+
+    fn schema(&self) -> &str {
+        match self {
+            Ledger::Postgres(pg) => pg.schema(),
+            Ledger::Mysql(my) => my.schema().expect("a schema of its own"),
+        }
+    }
+
+    fn quoted_schema(&self) -> String {
+        match self {
+            Ledger::Postgres(_) => format!("\"{}\"", self.schema()),
+            Ledger::Mysql(_) => format!("`{}`", self.schema()),
+        }
+    }
+
+    fn table(&self) -> String {
+        format!("{}.ledger", self.quoted_schema())
+    }
+
+    /// idem's store in the same schema, for transactional mode.
+    fn backend(&self) -> std::sync::Arc<dyn Backend> {
+        match self {
+            Ledger::Postgres(pg) => std::sync::Arc::new(pg.clone()),
+            Ledger::Mysql(my) => std::sync::Arc::new(my.clone()),
+        }
+    }
+
+    async fn execute(&self, q: String) -> sqlx::Result<()> {
+        let q = sqlx::AssertSqlSafe(q);
+        with_pool!(self, |pool| sqlx::query(q).execute(pool).await.map(drop))
+    }
+
+    /// (payment, token, instance, kind) in the order the rows were written.
+    async fn rows(&self) -> Vec<(String, i64, i32, String)> {
+        let q = format!(
+            "SELECT payment, token, instance, kind FROM {} ORDER BY seq",
+            self.table()
+        );
+        with_pool!(self, |pool| sqlx::query_as(sqlx::AssertSqlSafe(q))
+            .fetch_all(pool)
+            .await)
+        .expect("read the ledger")
+    }
+
+    /// The next offsets stored in transactional mode.
+    async fn stored_offsets(&self, group: &str) -> Vec<StoredOffset> {
+        let stored = match self {
+            Ledger::Postgres(pg) => pg.stored_offsets(group).await,
+            Ledger::Mysql(my) => my.stored_offsets(group).await,
+        };
+        stored.expect("stored offsets")
+    }
+
+    /// Drops the schema, idem's tables with it.
+    async fn drop_schema(&self) {
+        let cascade = if matches!(self, Ledger::Postgres(_)) {
+            " CASCADE"
+        } else {
+            ""
+        };
+        let q = format!("DROP SCHEMA IF EXISTS {}{cascade}", self.quoted_schema());
+        let _ = self.execute(q).await;
+    }
 }
 
 /// What a worker's stdout said, read on a thread of its own.
@@ -158,28 +296,22 @@ struct Figures {
     seconds: f64,
 }
 
-async fn scenario(mode: Mode) -> Figures {
+async fn scenario(mode: Mode, sql: Sql) -> Figures {
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
-    let pg_url = idem_conformance::service_env("IDEM_POSTGRES_URL");
+    let (ledger, ledger_url) = Ledger::create(sql).await;
     let store_url = match mode {
-        Mode::Transactional => pg_url.clone(),
+        Mode::Transactional => ledger_url.clone(),
         Mode::Lease => idem_conformance::service_env("IDEM_REDIS_URL"),
     };
-    let (pg, ledger) = common::postgres().await;
-    let seq = format!("ALTER TABLE {ledger} ADD COLUMN seq bigserial");
-    sqlx::query(sqlx::AssertSqlSafe(seq))
-        .execute(pg.pool())
-        .await
-        .expect("ledger order column");
     let topic = common::unique("sigkill");
     let group = common::unique("sigkill-group");
     let dlq = format!("{topic}.dlq");
     common::create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
     let example = common::build_example("worker");
     let store: std::sync::Arc<dyn Backend> = match mode {
-        Mode::Transactional => std::sync::Arc::new(pg.clone()),
+        Mode::Transactional => ledger.backend(),
         Mode::Lease => {
             let config = idem_redis::RedisConfig::new(store_url.as_str())
                 .with_prefix(format!("idem-sigkill:{group}:"));
@@ -211,15 +343,19 @@ async fn scenario(mode: Mode) -> Figures {
         Mode::Transactional => "transactional",
         Mode::Lease => "lease",
     };
-    let schema = pg.schema().to_owned();
+    let label = match (mode, sql) {
+        (Mode::Lease, _) => "lease, Redis",
+        (Mode::Transactional, Sql::Postgres) => "transactional, PostgreSQL",
+        (Mode::Transactional, Sql::Mysql) => "transactional, MySQL",
+    };
     let args = [
         ("mode", mode_arg),
         ("brokers", &brokers),
         ("topic", &topic),
         ("group", &group),
         ("store", &store_url),
-        ("ledger", &pg_url),
-        ("schema", &schema),
+        ("ledger", &ledger_url),
+        ("schema", ledger.schema()),
         ("lease-ms", LEASE_MS),
         ("work-ms", WORK_MS),
     ];
@@ -271,7 +407,7 @@ async fn scenario(mode: Mode) -> Figures {
         let victim = pool.kill_one();
         figures.kills += 1;
         eprintln!(
-            "{mode_arg} {:5.1} s: killed worker {victim} after {seen} settles",
+            "{label} {:5.1} s: killed worker {victim} after {seen} settles",
             started.elapsed().as_secs_f64()
         );
         pool.start();
@@ -286,8 +422,8 @@ async fn scenario(mode: Mode) -> Figures {
                 pool.exited(i);
             }
         }
-        let applied = common::ledger_counts(&pg, &ledger).await;
-        if open.iter().all(|id| applied.contains_key(id)) {
+        let applied: HashSet<String> = ledger.rows().await.into_iter().map(|r| r.0).collect();
+        if open.iter().all(|id| applied.contains(id)) {
             let mut still = Vec::new();
             for id in open {
                 let key = Key::new(group.as_str(), id.as_str()).expect("key");
@@ -297,7 +433,7 @@ async fn scenario(mode: Mode) -> Figures {
                 }
             }
             open = still;
-            if open.is_empty() && offsets(mode, &pg, &brokers, &group, &topic).await == ends {
+            if open.is_empty() && offsets(mode, &ledger, &brokers, &group, &topic).await == ends {
                 break;
             }
         }
@@ -308,14 +444,14 @@ async fn scenario(mode: Mode) -> Figures {
             applied.len(),
             open.len(),
             open.first(),
-            offsets(mode, &pg, &brokers, &group, &topic).await,
+            offsets(mode, &ledger, &brokers, &group, &topic).await,
             pool.log.display()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
     eprintln!(
-        "{mode_arg} {:5.1} s: every payment in the ledger and Completed, offsets at the end",
+        "{label} {:5.1} s: every payment in the ledger and Completed, offsets at the end",
         started.elapsed().as_secs_f64()
     );
 
@@ -342,10 +478,10 @@ async fn scenario(mode: Mode) -> Figures {
         );
     }
 
-    check(mode, &pg, &ledger, &pool.killed, &mut figures).await;
+    check(mode, &ledger, &pool.killed, &mut figures).await;
     figures.seconds = started.elapsed().as_secs_f64();
     println!(
-        "sigkill ({mode_arg}): {PAYMENTS} payments, {} duplicates, {} kills, {} effects, {} \
+        "sigkill ({label}): {PAYMENTS} payments, {} duplicates, {} kills, {} effects, {} \
          doubles ({} after a kill), {} effects after a takeover, {:.1} s",
         figures.duplicates,
         figures.kills,
@@ -355,25 +491,24 @@ async fn scenario(mode: Mode) -> Figures {
         figures.takeovers,
         figures.seconds
     );
-    common::drop_schema(&pg).await;
+    ledger.drop_schema().await;
     let _ = std::fs::remove_file(&pool.log);
     figures
 }
 
-/// The group's next offsets by partition: PostgreSQL's in transactional mode (where the
+/// The group's next offsets by partition: the store's in transactional mode (where the
 /// consumer seeks on assignment), Kafka's committed offsets in lease mode.
 async fn offsets(
     mode: Mode,
-    pg: &idem_postgres::PgBackend,
+    ledger: &Ledger,
     brokers: &str,
     group: &str,
     topic: &str,
 ) -> BTreeMap<i32, i64> {
     match mode {
-        Mode::Transactional => pg
+        Mode::Transactional => ledger
             .stored_offsets(group)
             .await
-            .expect("stored offsets")
             .into_iter()
             .filter(|s| s.topic == topic)
             .map(|s| (s.partition, s.next_offset))
@@ -392,18 +527,8 @@ async fn offsets(
 /// The ledger: every payment applied; in transactional mode once; in lease mode each
 /// later effect of a payment (in the order they were written) has a higher token than the
 /// one before and comes from a takeover.
-async fn check(
-    mode: Mode,
-    pg: &idem_postgres::PgBackend,
-    ledger: &str,
-    killed: &HashSet<u32>,
-    figures: &mut Figures,
-) {
-    let q = format!("SELECT payment, token, instance, kind FROM {ledger} ORDER BY seq");
-    let rows: Vec<(String, i64, i32, String)> = sqlx::query_as(sqlx::AssertSqlSafe(q))
-        .fetch_all(pg.pool())
-        .await
-        .expect("read the ledger");
+async fn check(mode: Mode, ledger: &Ledger, killed: &HashSet<u32>, figures: &mut Figures) {
+    let rows = ledger.rows().await;
     let mut by_id: HashMap<String, Vec<(i64, i32, String)>> = HashMap::new();
     for (payment, token, instance, kind) in rows {
         by_id
