@@ -3,34 +3,43 @@
 //! - `bare`: an rdkafka `StreamConsumer` loop with the same commit policy (offset stored
 //!   after each message is handled, async commit of stored offsets every second); the
 //!   ceiling for the in-memory store;
-//! - `dedup_redis`, `dedup_postgres`: the deduplication most teams write by hand, one poll
-//!   batch at a time: Redis, a pipelined `SET NX PX` of the batch's keys then a pipelined
-//!   `SET` of each result; PostgreSQL, `INSERT … ON CONFLICT DO NOTHING RETURNING` of the
-//!   batch's keys then one `UPDATE … FROM unnest` of the results. No leases, no fencing, no
-//!   crash safety: a ceiling for idem on that store, not a peer;
-//! - `tx_postgres`: the exactly-once loop a team writes by hand on PostgreSQL: per poll
-//!   batch, one transaction with one business-row insert per message (the same statement
-//!   idem's transactional handler runs) and an upsert of each partition's next offset. No
-//!   idempotency records: the ceiling for idem's transactional mode;
+//! - `dedup_redis`, `dedup_postgres`, `dedup_mysql`: the deduplication most teams write by
+//!   hand, one poll batch at a time: Redis, a pipelined `SET NX PX` of the batch's keys then
+//!   a pipelined `SET` of each result; PostgreSQL, `INSERT … ON CONFLICT DO NOTHING
+//!   RETURNING` of the batch's keys then one `UPDATE … FROM unnest` of the results; MySQL or
+//!   MariaDB, one multi-row `INSERT IGNORE … RETURNING` of the keys (MariaDB 10.5+; on MySQL,
+//!   without `RETURNING`, the keys go in with a per-batch marker and, only when fewer rows
+//!   went in than keys, a `SELECT` of the marker's rows says which) then one multi-row
+//!   `INSERT … ON DUPLICATE KEY UPDATE` of the results. No leases, no fencing, no crash
+//!   safety: a ceiling for idem on that store, not a peer;
+//! - `tx_postgres`, `tx_mysql`: the exactly-once loop a team writes by hand on PostgreSQL or
+//!   on MySQL (InnoDB): per poll batch, one transaction with one business-row insert per
+//!   message (the same statement idem's transactional handler runs) and an upsert of each
+//!   partition's next offset. No idempotency records: the ceiling for idem's transactional
+//!   mode. One loop (`tx_loop`) over the statements of `support/sql.rs`;
 //! - `tx_postgres_records`: `tx_postgres` plus one record per key in the same transaction
 //!   (one `INSERT … ON CONFLICT DO NOTHING` of the batch's keys, one `UPDATE` of their
 //!   results): the cheapest design that records keys, with no leases, attempts or fencing;
-//! - `idem_memory`, `idem_redis`, `idem_postgres` (lease mode),
-//!   `idem_postgres_transactional` (a one-row business insert per message; a chunk of a
-//!   poll batch per transaction) and `idem_postgres_one_per_tx` (the same with
-//!   `Transactional`'s default batch: one transaction per message, as before batching).
+//! - `idem_memory`, `idem_redis`, `idem_postgres`, `idem_mysql` (lease mode),
+//!   `idem_postgres_transactional`, `idem_mysql_transactional` (a one-row business insert
+//!   per message; a chunk of a poll batch per transaction) and `idem_postgres_one_per_tx`
+//!   (the same with `Transactional`'s default batch: one transaction per message, as before
+//!   batching).
 //!
 //! Each iteration reads the same pre-produced topic with a fresh consumer group (so fresh
 //! idempotency keys) and counts from the first message to the `n`-th one handled; the
 //! group join is not counted. `n` is smaller for slower stores, so every iteration takes
 //! about a second or two; each ratio compares loops over the same `n`. On librdkafka's
 //! MockCluster always, and on the broker at `IDEM_KAFKA_BROKERS` (tansu) when it is set;
-//! the store loops need `IDEM_REDIS_URL` and `IDEM_POSTGRES_URL` (`scripts/services up`).
+//! the store loops need `IDEM_REDIS_URL`, `IDEM_POSTGRES_URL` and `IDEM_MYSQL_URL`
+//! (`scripts/services up`).
 //!
 //! `cargo bench -p benches --bench kafka`
 
 #[path = "support/one_per_tx.rs"]
 mod one_per_tx;
+#[path = "support/sql.rs"]
+mod sql;
 mod support;
 
 use std::collections::HashMap;
@@ -47,6 +56,7 @@ use idem_kafka::IdemConsumer;
 use idem_kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use idem_kafka::rdkafka::message::{BorrowedMessage, Message as _};
 use idem_kafka::rdkafka::mocking::MockCluster;
+use idem_mysql::MySqlBackend;
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
 use redis::aio::ConnectionManager;
@@ -125,7 +135,8 @@ async fn bare(brokers: &str, topic: &str, n: usize) -> Duration {
 /// The store side of a hand-written deduplicating loop.
 enum Dedup {
     Redis(ConnectionManager),
-    Postgres(sqlx::PgPool),
+    Postgres(sql::Postgres),
+    MySql(sql::MySql),
 }
 
 impl Dedup {
@@ -145,20 +156,8 @@ impl Dedup {
                 let replies: Vec<Option<String>> = pipe.query_async(conn).await.expect("SET NX");
                 replies.iter().map(Option::is_some).collect()
             }
-            Dedup::Postgres(pool) => {
-                let q = format!(
-                    "INSERT INTO {SCHEMA}.dedup (k) SELECT unnest($1::text[]) \
-                     ON CONFLICT DO NOTHING RETURNING k"
-                );
-                let new: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(q))
-                    .bind(keys)
-                    .fetch_all(&*pool)
-                    .await
-                    .expect("insert");
-                let new: std::collections::HashSet<String> =
-                    new.into_iter().map(|(k,)| k).collect();
-                keys.iter().map(|k| new.contains(k)).collect()
-            }
+            Dedup::Postgres(pg) => sql::mark(pg, keys).await,
+            Dedup::MySql(my) => sql::mark(my, keys).await,
         }
     }
 
@@ -180,18 +179,8 @@ impl Dedup {
                 }
                 let () = pipe.query_async(conn).await.expect("SET");
             }
-            Dedup::Postgres(pool) => {
-                let q = format!(
-                    "UPDATE {SCHEMA}.dedup d SET v = u.v \
-                     FROM unnest($1::text[], $2::bytea[]) AS u(k, v) WHERE d.k = u.k"
-                );
-                sqlx::query(sqlx::AssertSqlSafe(q))
-                    .bind(keys)
-                    .bind(results)
-                    .execute(&*pool)
-                    .await
-                    .expect("update");
-            }
+            Dedup::Postgres(pg) => sql::answer(pg, keys, results).await,
+            Dedup::MySql(my) => sql::answer(my, keys, results).await,
         }
     }
 }
@@ -203,6 +192,7 @@ async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Durati
     let consumer = stream_consumer(brokers, topic, "dedup");
     let run = unique(&format!("{REDIS_PREFIX}run"));
     let mut frame = HandLoop::new(&consumer, n);
+    let mut fresh = 0;
     while let Some(batch) = frame.next().await {
         let keys = run_keys(&run, &batch);
         let new = store.mark(&keys).await;
@@ -213,9 +203,11 @@ async fn dedup(brokers: &str, topic: &str, n: usize, mut store: Dedup) -> Durati
                 done.push(key.clone());
             }
         }
+        fresh += done.len();
         store.store(&done, &results).await;
         frame.done(&batch);
     }
+    debug_assert_eq!(fresh, frame.seen, "a fresh run's keys are all new");
     frame.finish()
 }
 
@@ -328,59 +320,42 @@ impl<'c> HandLoop<'c> {
     }
 }
 
-/// The hand-written exactly-once loop on PostgreSQL: per poll batch, one transaction of the
-/// business rows (one insert per message) and the partitions' next offsets, then the
+/// The hand-written exactly-once loop on a SQL store: per poll batch, one transaction of
+/// the business rows (one insert per message) and the partitions' next offsets, then the
 /// offsets stored in Kafka. Returns the time from the first message to the `n`-th.
-async fn tx_postgres(brokers: &str, topic: &str, n: usize, pool: sqlx::PgPool) -> Duration {
-    tx_loop(brokers, topic, n, pool, false).await
+async fn tx_plain<S: sql::Sql>(brokers: &str, topic: &str, n: usize, store: S) -> Duration {
+    tx_loop(brokers, topic, n, store, false).await
 }
 
-/// `tx_postgres` that also keeps one record per key in the same transaction, the cheapest
-/// design with records: per poll batch, one `INSERT … ON CONFLICT DO NOTHING RETURNING` of
-/// the batch's keys, a business insert for each new key, one `UPDATE … FROM unnest` of
-/// their results, the offsets, one COMMIT. No leases, attempts or fencing: what any
-/// transactional design that records keys must at least do, so the ceiling it leaves
-/// idem's transactional mode is the cost of the records themselves.
-async fn tx_postgres_records(brokers: &str, topic: &str, n: usize, pool: sqlx::PgPool) -> Duration {
-    tx_loop(brokers, topic, n, pool, true).await
+/// `tx_plain` that also keeps one record per key in the same transaction, the cheapest
+/// design with records: per poll batch, one insert-if-absent of the batch's keys returning
+/// those inserted (on PostgreSQL `INSERT … ON CONFLICT DO NOTHING RETURNING`), a business
+/// insert for each new key, one write of their results (`UPDATE … FROM unnest`), the
+/// offsets, one COMMIT. No leases, attempts or fencing: what any transactional design that
+/// records keys must at least do, so the ceiling it leaves idem's transactional mode is the
+/// cost of the records themselves.
+async fn tx_records<S: sql::Sql>(brokers: &str, topic: &str, n: usize, store: S) -> Duration {
+    tx_loop(brokers, topic, n, store, true).await
 }
 
-async fn tx_loop(
+async fn tx_loop<S: sql::Sql>(
     brokers: &str,
     topic: &str,
     n: usize,
-    pool: sqlx::PgPool,
+    store: S,
     records: bool,
 ) -> Duration {
-    let group = unique("txpg");
+    let group = unique("tx");
     let run = unique("run");
-    let mark = format!(
-        "INSERT INTO {SCHEMA}.dedup (k) SELECT unnest($1::text[]) \
-         ON CONFLICT DO NOTHING RETURNING k"
-    );
-    let answer = format!(
-        "UPDATE {SCHEMA}.dedup d SET v = u.v \
-         FROM unnest($1::text[], $2::bytea[]) AS u(k, v) WHERE d.k = u.k"
-    );
     let consumer = stream_consumer(brokers, topic, &group);
-    let insert = format!("INSERT INTO {SCHEMA}.ledger (k) VALUES ($1)");
-    let upsert = format!(
-        "INSERT INTO {SCHEMA}.hand_offsets (grp, topic, part, next) VALUES ($1, $2, $3, $4) \
-         ON CONFLICT (grp, topic, part) DO UPDATE SET next = excluded.next"
-    );
     let mut frame = HandLoop::new(&consumer, n);
+    let mut fresh = 0;
     while let Some(batch) = frame.next().await {
-        let mut tx = pool.begin().await.expect("begin");
+        let mut tx = store.pool().begin().await.expect("begin");
         let mut next: std::collections::BTreeMap<i32, i64> = Default::default();
         let keys = run_keys(&run, &batch);
         let new: std::collections::HashSet<String> = if records {
-            sqlx::query_scalar(sqlx::AssertSqlSafe(mark.as_str()))
-                .bind(&keys)
-                .fetch_all(&mut *tx)
-                .await
-                .expect("mark")
-                .into_iter()
-                .collect()
+            store.mark(&mut *tx, &keys).await
         } else {
             keys.iter().cloned().collect()
         };
@@ -390,35 +365,21 @@ async fn tx_loop(
             if !new.contains(key) {
                 continue;
             }
-            sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
-                .bind(key)
-                .execute(&mut *tx)
-                .await
-                .expect("insert");
+            S::ledger(&mut *tx, key).await.expect("insert");
             results.push(handle(header_key(m)).to_vec());
             done.push(key.clone());
         }
-        if records {
-            sqlx::query(sqlx::AssertSqlSafe(answer.as_str()))
-                .bind(&done)
-                .bind(&results)
-                .execute(&mut *tx)
-                .await
-                .expect("answer");
+        fresh += done.len();
+        if records && !done.is_empty() {
+            store.answer(&mut *tx, &done, &results).await;
         }
         for (part, next) in next {
-            sqlx::query(sqlx::AssertSqlSafe(upsert.as_str()))
-                .bind(&group)
-                .bind(topic)
-                .bind(part)
-                .bind(next)
-                .execute(&mut *tx)
-                .await
-                .expect("upsert offset");
+            store.offset(&mut *tx, &group, topic, part, next).await;
         }
         tx.commit().await.expect("commit");
         frame.done(&batch);
     }
+    debug_assert_eq!(fresh, frame.seen, "a fresh run's keys are all new");
     frame.finish()
 }
 
@@ -428,6 +389,7 @@ enum Idem {
     Lease(Arc<dyn Backend>),
     Transactional(PgBackend),
     OnePerTx(PgBackend),
+    MySqlTransactional(MySqlBackend),
 }
 
 /// The idem loop (a fresh group, so fresh keys). Returns the time from the first claim to
@@ -445,8 +407,11 @@ async fn idem(brokers: &str, topic: &str, n: usize, mode: Idem) -> Duration {
         Idem::Lease(backend) => builder
             .engine(Engine::builder(backend).build().expect("engine"))
             .handler(|msg, _| async move { Ok(handle(msg.key().map(|k| k.id().as_bytes()))) }),
-        Idem::Transactional(pg) => builder.transactional(pg, ledger_row),
-        Idem::OnePerTx(pg) => builder.transactional(one_per_tx::OnePerTx(pg), ledger_row),
+        Idem::Transactional(pg) => builder.transactional(pg, ledger_row::<sql::Postgres>),
+        Idem::OnePerTx(pg) => {
+            builder.transactional(one_per_tx::OnePerTx(pg), ledger_row::<sql::Postgres>)
+        }
+        Idem::MySqlTransactional(my) => builder.transactional(my, ledger_row::<sql::MySql>),
     };
     let consumer = builder.build().expect("idem consumer");
     let task = tokio::spawn(consumer.run());
@@ -459,18 +424,16 @@ async fn idem(brokers: &str, topic: &str, n: usize, mode: Idem) -> Duration {
     end - first
 }
 
-/// The transactional handler: one business row per message.
-fn ledger_row<'t>(
+/// The transactional handler: one business row per message, the hand-written
+/// transaction loop's insert.
+fn ledger_row<'t, S: sql::Sql>(
     msg: idem_kafka::Message,
-    tx: &'t mut idem_postgres::PgTransaction,
+    tx: &'t mut sqlx::Transaction<'static, S::Db>,
     _lease: idem_core::Lease,
 ) -> futures::future::BoxFuture<'t, Result<Bytes, idem_core::HandlerError>> {
     async move {
-        let q = format!("INSERT INTO {SCHEMA}.ledger (k) VALUES ($1)");
         let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
-        sqlx::query(sqlx::AssertSqlSafe(q))
-            .bind(&id)
-            .execute(&mut **tx)
+        S::ledger(&mut **tx, &id)
             .await
             .map_err(idem_core::HandlerError::retry)?;
         Ok(handle(Some(id.as_bytes())))
@@ -529,14 +492,15 @@ where
 struct Stores {
     redis: Option<(RedisBackend, ConnectionManager)>,
     postgres: Option<PgBackend>,
+    mysql: Option<(MySqlBackend, sql::MySql)>,
 }
 
 impl Stores {
     /// Empties what earlier iterations left in the stores: the bench's Redis keys and its
-    /// PostgreSQL tables. Each iteration then starts on the same empty store; left to
-    /// pile up (several million keys over a run), a growing Redis keyspace resized its
-    /// tables under whichever loop was running, and the hand-written Redis loop's medians
-    /// moved by 2x from run to run.
+    /// PostgreSQL and MySQL tables. Each iteration then starts on the same empty store;
+    /// left to pile up (several million keys over a run), a growing Redis keyspace resized
+    /// its tables under whichever loop was running, and the hand-written Redis loop's
+    /// medians moved by 2x from run to run.
     async fn reset(&self) {
         if let Some((_, raw)) = &self.redis {
             support::clear_redis(raw, REDIS_PREFIX).await;
@@ -555,6 +519,9 @@ impl Stores {
                 .execute(pg.pool())
                 .await
                 .expect("TRUNCATE");
+        }
+        if let Some((_, my)) = &self.mysql {
+            my.reset().await;
         }
     }
 }
@@ -617,7 +584,15 @@ async fn stores() -> Stores {
             Some(backend)
         }
     };
-    Stores { redis, postgres }
+    let mysql = match env("IDEM_MYSQL_URL") {
+        None => None,
+        Some(url) => Some(sql::MySql::connect(&url).await),
+    };
+    Stores {
+        redis,
+        postgres,
+        mysql,
+    }
 }
 
 fn on_broker(
@@ -676,7 +651,7 @@ fn on_broker(
     }
     if let Some(pg) = &stores.postgres {
         let n = MESSAGES / 5;
-        let (go, pool) = (at.clone(), pg.pool().clone());
+        let (go, pool) = (at.clone(), sql::Postgres(pg.pool().clone()));
         case("dedup_postgres", n, &move || {
             let ((b, t), pool) = (go(), pool.clone());
             async move { dedup(&b, &t, n, Dedup::Postgres(pool)).await }.boxed()
@@ -686,15 +661,15 @@ fn on_broker(
             let ((b, t), store) = (go(), Arc::new(backend.clone()));
             async move { idem(&b, &t, n, Idem::Lease(store)).await }.boxed()
         });
-        let (go, pool) = (at.clone(), pg.pool().clone());
+        let (go, pool) = (at.clone(), sql::Postgres(pg.pool().clone()));
         case("tx_postgres", n, &move || {
             let ((b, t), pool) = (go(), pool.clone());
-            async move { tx_postgres(&b, &t, n, pool).await }.boxed()
+            async move { tx_plain(&b, &t, n, pool).await }.boxed()
         });
-        let (go, pool) = (at.clone(), pg.pool().clone());
+        let (go, pool) = (at.clone(), sql::Postgres(pg.pool().clone()));
         case("tx_postgres_records", n, &move || {
             let ((b, t), pool) = (go(), pool.clone());
-            async move { tx_postgres_records(&b, &t, n, pool).await }.boxed()
+            async move { tx_records(&b, &t, n, pool).await }.boxed()
         });
         let (go, backend) = (at.clone(), pg.clone());
         case("idem_postgres_transactional", n, &move || {
@@ -708,11 +683,38 @@ fn on_broker(
             async move { idem(&b, &t, n, Idem::OnePerTx(pg)).await }.boxed()
         });
     }
+    if let Some((backend, my)) = &stores.mysql {
+        let n = MESSAGES / 5;
+        let (go, hand) = (at.clone(), my.clone());
+        case("dedup_mysql", n, &move || {
+            let ((b, t), my) = (go(), hand.clone());
+            async move { dedup(&b, &t, n, Dedup::MySql(my)).await }.boxed()
+        });
+        let (go, mysql) = (at.clone(), backend.clone());
+        case("idem_mysql", n, &move || {
+            let ((b, t), store) = (go(), Arc::new(mysql.clone()));
+            async move { idem(&b, &t, n, Idem::Lease(store)).await }.boxed()
+        });
+        // The transaction loops run about a tenth as fast as `dedup_mysql` (a business
+        // insert per message, one COMMIT a batch or a chunk): half the messages keep an
+        // iteration near two seconds.
+        let n = MESSAGES / 10;
+        let (go, hand) = (at.clone(), my.clone());
+        case("tx_mysql", n, &move || {
+            let ((b, t), my) = (go(), hand.clone());
+            async move { tx_plain(&b, &t, n, my).await }.boxed()
+        });
+        let (go, mysql) = (at.clone(), backend.clone());
+        case("idem_mysql_transactional", n, &move || {
+            let ((b, t), my) = (go(), mysql.clone());
+            async move { idem(&b, &t, n, Idem::MySqlTransactional(my)).await }.boxed()
+        });
+    }
     g.finish();
 }
 
 /// The summary's loops, in order: what each is, in a few words.
-const LOOPS: [(&str, &str); 11] = [
+const LOOPS: [(&str, &str); 15] = [
     ("bare", "rdkafka loop, no deduplication"),
     ("dedup_memory", "by hand: HashMap insert, then the result"),
     (
@@ -739,20 +741,34 @@ const LOOPS: [(&str, &str); 11] = [
         "idem_postgres_one_per_tx",
         "idem, transactional, one message per transaction",
     ),
+    (
+        "dedup_mysql",
+        "by hand: MySQL `INSERT IGNORE` (`RETURNING` on MariaDB), then `INSERT … ON DUPLICATE \
+         KEY UPDATE`, per poll batch",
+    ),
+    ("idem_mysql", "idem, MySQL (lease mode)"),
+    (
+        "tx_mysql",
+        "by hand: one MySQL transaction per poll batch, rows and offsets",
+    ),
+    ("idem_mysql_transactional", "idem, MySQL transactional mode"),
 ];
 
 /// The summary's ratios: a loop over its ceiling.
-const RATIOS: [(&str, &str); 10] = [
+const RATIOS: [(&str, &str); 13] = [
     ("idem_memory", "dedup_memory"),
     ("idem_redis", "dedup_redis"),
     ("idem_postgres", "dedup_postgres"),
+    ("idem_mysql", "dedup_mysql"),
     ("idem_memory", "bare"),
     ("idem_redis", "bare"),
     ("idem_postgres", "bare"),
+    ("idem_mysql", "bare"),
     ("dedup_memory", "bare"),
     ("tx_postgres_records", "tx_postgres"),
     ("idem_postgres_transactional", "tx_postgres"),
     ("idem_postgres_one_per_tx", "tx_postgres"),
+    ("idem_mysql_transactional", "tx_mysql"),
 ];
 
 /// Prints one Markdown table of every loop's median on each broker (MockCluster, tansu)
@@ -897,8 +913,8 @@ fn kafka(c: &mut Criterion) {
 }
 
 /// One loop, once, on a MockCluster, without Criterion: `IDEM_KAFKA_PROFILE=bare`,
-/// `dedup_memory`, `idem_memory`, `dedup_redis`, `idem_redis`, `dedup_postgres` or
-/// `idem_postgres` (and `IDEM_KAFKA_PROFILE_N` messages, default all), for a profiler or
+/// `dedup_memory`, `idem_memory`, `dedup_redis`, `idem_redis`, `dedup_postgres`,
+/// `idem_postgres`, `dedup_mysql` or `idem_mysql` (and `IDEM_KAFKA_PROFILE_N` messages, default all), for a profiler or
 /// to see where a store loop's time goes. Under `valgrind --tool=callgrind
 /// --instr-atstart=no`, with `IDEM_CALLGRIND=1`, collection runs from the first message
 /// to the `n`-th only ([`support::window`]; the counts are in the dump, the output file
@@ -922,7 +938,10 @@ fn profile(which: &str) {
     cluster.create_topic(&topic, PARTITIONS, 1).expect("topic");
     let brokers = cluster.bootstrap_servers();
     rt.block_on(produce(&brokers, &topic));
-    let stores = if which.ends_with("_redis") || which.ends_with("_postgres") {
+    let stores = if ["_redis", "_postgres", "_mysql"]
+        .iter()
+        .any(|s| which.ends_with(s))
+    {
         let stores = rt.block_on(stores());
         rt.block_on(stores.reset());
         stores
@@ -930,6 +949,7 @@ fn profile(which: &str) {
         Stores {
             redis: None,
             postgres: None,
+            mysql: None,
         }
     };
     let tally = Tally::default();
@@ -953,9 +973,19 @@ fn profile(which: &str) {
             "dedup_postgres" | "idem_postgres" => {
                 let pg = stores.postgres.clone().expect("IDEM_POSTGRES_URL");
                 if which == "dedup_postgres" {
-                    dedup(&brokers, &topic, n, Dedup::Postgres(pg.pool().clone())).await
+                    let pool = sql::Postgres(pg.pool().clone());
+                    dedup(&brokers, &topic, n, Dedup::Postgres(pool)).await
                 } else {
                     let store = tally.wrap(pg);
+                    idem(&brokers, &topic, n, Idem::Lease(store)).await
+                }
+            }
+            "dedup_mysql" | "idem_mysql" => {
+                let (backend, my) = stores.mysql.clone().expect("IDEM_MYSQL_URL");
+                if which == "dedup_mysql" {
+                    dedup(&brokers, &topic, n, Dedup::MySql(my)).await
+                } else {
+                    let store = tally.wrap(backend);
                     idem(&brokers, &topic, n, Idem::Lease(store)).await
                 }
             }
