@@ -997,6 +997,14 @@ fn profile(which: &str) {
         n as f64 / took.as_secs_f64().max(1e-9),
         support::window_cpu() as f64 / n as f64
     );
+    for (thread, ns) in support::window_threads() {
+        if ns > 0 {
+            println!(
+                "  {thread}: {:.0} ns of CPU per message",
+                ns as f64 / n as f64
+            );
+        }
+    }
     tally.print(n);
 }
 

@@ -2,6 +2,7 @@
 //! that times an idem loop from its first claim to its `n`-th settled message.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -142,37 +143,61 @@ pub fn callgrind(on: bool) {
 /// (`false`): [`callgrind`] collects in it, and the CPU time every thread of this process
 /// spent in it (the in-process broker's too) is kept for [`window_cpu`].
 pub fn window(on: bool) {
-    static START: Mutex<Option<u64>> = Mutex::new(None);
+    static START: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
     if on {
-        *START.lock().unwrap_or_else(|e| e.into_inner()) = Some(process_cpu_ns());
+        *START.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread_cpu_ns());
         callgrind(true);
     } else {
         callgrind(false);
         let start = START.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(start) = start {
-            WINDOW_CPU.store(process_cpu_ns().saturating_sub(start), Ordering::Relaxed);
+            let mut spent: Vec<(String, u64)> = thread_cpu_ns()
+                .into_iter()
+                .map(|(name, ns)| {
+                    let before = start.get(&name).copied().unwrap_or(0);
+                    (name, ns.saturating_sub(before))
+                })
+                .collect();
+            spent.sort_by(|a, b| b.1.cmp(&a.1));
+            WINDOW_CPU.store(spent.iter().map(|t| t.1).sum(), Ordering::Relaxed);
+            *WINDOW_THREADS.lock().unwrap_or_else(|e| e.into_inner()) = spent;
         }
     }
 }
 
 static WINDOW_CPU: AtomicU64 = AtomicU64::new(0);
+static WINDOW_THREADS: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
 
 /// The CPU time of the last [`window`], in nanoseconds.
 pub fn window_cpu() -> u64 {
     WINDOW_CPU.load(Ordering::Relaxed)
 }
 
-/// The CPU time of this process's live threads so far, in nanoseconds (Linux schedstat;
-/// 0 elsewhere).
-fn process_cpu_ns() -> u64 {
+/// The CPU time of the last [`window`] per thread name (threads of one name summed),
+/// most first.
+pub fn window_threads() -> Vec<(String, u64)> {
+    WINDOW_THREADS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+}
+
+/// The CPU time of this process's live threads so far, in nanoseconds, summed per thread
+/// name (Linux schedstat; empty elsewhere).
+fn thread_cpu_ns() -> HashMap<String, u64> {
+    let mut by_name = HashMap::new();
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
+        return by_name;
     };
-    tasks
-        .filter_map(|t| t.ok())
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
+    for task in tasks.filter_map(|t| t.ok()) {
+        let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let ns = std::fs::read_to_string(task.path().join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0);
+        *by_name.entry(name.trim().to_owned()).or_insert(0) += ns;
+    }
+    by_name
 }
 
 /// The median of `v` (0 when empty).
