@@ -7,17 +7,12 @@
 //! commit in one: first with no savepoints, and after a handler failure once more with a
 //! savepoint per handler.
 
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-use bytes::Bytes;
-use futures::FutureExt;
-use idem_core::backend::{
-    Claim, ClaimOutcome, OffsetPosition, Settlement, StoredOffset, TxFuture, handler_response,
-    machine,
-};
-use idem_core::{Backend, Error, HandlerError, Lease, Outcome, Result, Transactional};
-use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row};
+use idem_core::backend::tx::{self, Savepoint, TxStore};
+use idem_core::backend::{Claim, OffsetPosition, Settlement, StoredOffset, TxFuture, machine};
+use idem_core::{Lease, Outcome, Result, Transactional};
+use sqlx::{AssertSqlSafe, MySql, Row};
 
 use crate::backend::MySqlBackend;
 use crate::error::map;
@@ -27,26 +22,71 @@ use crate::settle::settle_locked;
 pub type MySqlTransaction = sqlx::Transaction<'static, MySql>;
 
 impl MySqlBackend {
-    /// Awaits a handler: its response, or its failure (an error, a panic, or a response
-    /// over `max_response_bytes`, which is permanent).
-    async fn run(&self, handler: TxFuture<'_>) -> Result<Bytes, HandlerError> {
-        match AssertUnwindSafe(handler).catch_unwind().await {
-            Ok(Ok(response)) => handler_response(response, self.max_response_bytes),
-            Ok(Err(e)) => Err(e),
-            Err(panic) => Err(HandlerError::panicked(panic.as_ref())),
-        }
+    fn offset_query<'q>(
+        &self,
+        at: &'q OffsetPosition,
+    ) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
+        sqlx::query(AssertSqlSafe(self.tables.store_offset()))
+            .bind(at.group.as_str())
+            .bind(at.topic.as_str())
+            .bind(at.partition)
+            .bind(at.offset.saturating_add(1))
+    }
+}
+
+/// Transactional mode's steps on MySQL; `idem_core::backend::tx` runs them. The claims
+/// are `claim_many`'s own transaction (the default `claim_for_tx`), and a single message
+/// completes through `settle_in` (the default `complete_in`).
+#[async_trait::async_trait]
+impl TxStore for MySqlBackend {
+    async fn begin(&self) -> Result<MySqlTransaction> {
+        self.timed("begin", self.pool.begin()).await
     }
 
-    /// Inside `conn`'s open transaction: settles `items` (distinct keys) against their
-    /// records, locked now, and stores `at`. How many items were not fenced.
+    /// One `SELECT … FOR UPDATE` of the batch's records: a lease that no longer holds its
+    /// record (by the server's clock, read by the same statement) is not held.
+    async fn begin_locked(
+        &self,
+        leases: &[Lease],
+        _savepoints: bool,
+    ) -> Result<(MySqlTransaction, Vec<bool>)> {
+        let mut tx = self.timed("begin", self.pool.begin()).await?;
+        let keys: Vec<_> = leases.iter().map(|l| &l.key).collect();
+        let locked = self
+            .timed("lock batch", self.lock(&mut tx, &keys))
+            .await??;
+        let held = leases
+            .iter()
+            .map(|lease| machine::holds(locked.get(&lease.key), lease, locked.now))
+            .collect();
+        Ok((tx, held))
+    }
+
+    /// `SAVEPOINT idem_item` before every handler (a savepoint of the same name replaces
+    /// the last one).
+    async fn savepoint(&self, tx: &mut MySqlTransaction, _at: Savepoint) -> Result<()> {
+        let set = sqlx::raw_sql("SAVEPOINT idem_item").execute(&mut **tx);
+        self.timed("savepoint", set).await?;
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut MySqlTransaction) -> Result<()> {
+        let back = sqlx::raw_sql("ROLLBACK TO SAVEPOINT idem_item").execute(&mut **tx);
+        self.timed("rollback", back).await?;
+        Ok(())
+    }
+
+    /// Inside `tx`: settles `items` (distinct keys) against their records, locked now,
+    /// and stores `at`. How many items were not fenced.
     async fn settle_in(
         &self,
-        conn: &mut MySqlConnection,
+        tx: &mut MySqlTransaction,
         items: &[Settlement],
         retention: Duration,
         at: Option<&OffsetPosition>,
     ) -> Result<usize> {
         let what = "settle in transaction";
+        let conn = &mut **tx;
         let keys: Vec<_> = items.iter().map(|i| &i.lease.key).collect();
         let work = async {
             let settled = self
@@ -69,37 +109,12 @@ impl MySqlBackend {
         idem_core::layer::within(what, self.timeout, Box::pin(work)).await
     }
 
-    fn offset_query<'q>(
-        &self,
-        at: &'q OffsetPosition,
-    ) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
-        sqlx::query(AssertSqlSafe(self.tables.store_offset()))
-            .bind(at.group.as_str())
-            .bind(at.topic.as_str())
-            .bind(at.partition)
-            .bind(at.offset.saturating_add(1))
+    async fn commit(&self, tx: MySqlTransaction) -> Result<()> {
+        self.timed("commit", tx.commit()).await
     }
 
-    /// Completes `lease` in `tx` with the offset, and commits; `Fenced` (rolled back) if
-    /// the lease no longer holds the record.
-    async fn commit_one(
-        &self,
-        mut tx: MySqlTransaction,
-        lease: &Lease,
-        response: Bytes,
-        retention: Duration,
-        offset: Option<&OffsetPosition>,
-    ) -> Result<Outcome> {
-        let item = Settlement::complete(lease.clone(), response.clone());
-        let settled = self
-            .settle_in(&mut tx, std::slice::from_ref(&item), retention, offset)
-            .await?;
-        if settled != 1 {
-            self.timed("rollback", tx.rollback()).await?;
-            return Ok(Outcome::Fenced);
-        }
-        self.timed("commit", tx.commit()).await?;
-        Ok(Outcome::Executed(response))
+    async fn rollback(&self, tx: MySqlTransaction) -> Result<()> {
+        self.timed("rollback", tx.rollback()).await
     }
 }
 
@@ -129,38 +144,7 @@ impl Transactional for MySqlBackend {
     where
         F: for<'t> FnOnce(&'t mut MySqlTransaction, Lease) -> TxFuture<'t> + Send,
     {
-        let lease = match acquired(self.claim(claim).await?) {
-            Ok(lease) => lease,
-            Err(replay @ Outcome::Replayed(_)) => {
-                if let Some(at) = offset {
-                    self.store_offset(at).await?;
-                }
-                return Ok(replay);
-            }
-            Err(outcome) => return Ok(outcome),
-        };
-        let mut tx = self.timed("begin", self.pool.begin()).await?;
-        let failure = match self.run(handler(&mut tx, lease.clone())).await {
-            Ok(response) => {
-                return self
-                    .commit_one(tx, &lease, response, retention, offset)
-                    .await;
-            }
-            Err(failure) => failure,
-        };
-        self.timed("rollback", tx.rollback()).await?;
-        let kind = failure.kind();
-        match self.fail(&lease, failure.message(), kind, retention).await {
-            Ok(()) => {}
-            Err(Error::Fenced { .. }) => return Ok(Outcome::Fenced),
-            Err(e) => return Err(e),
-        }
-        Ok(Outcome::after_failure(
-            lease.attempts,
-            claim.max_attempts,
-            kind,
-            failure.message().to_owned(),
-        ))
+        tx::execute(self, claim, retention, offset, handler).await
     }
 
     /// On MySQL: the claims in one transaction, then one transaction of
@@ -177,56 +161,14 @@ impl Transactional for MySqlBackend {
         &self,
         claims: &[Claim],
         retention: Duration,
-        mut handler: H,
+        handler: H,
         offset: O,
     ) -> Result<Vec<Outcome>>
     where
         H: for<'t> FnMut(&'t mut MySqlTransaction, usize, Lease) -> TxFuture<'t> + Send,
         O: FnOnce(&[Outcome]) -> Option<OffsetPosition> + Send,
     {
-        let answers = self.claim_many(claims).await?;
-        let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(claims.len());
-        let mut leases: Vec<(usize, Lease)> = Vec::new();
-        for (i, answer) in answers.into_iter().enumerate() {
-            match acquired(answer) {
-                Ok(lease) => {
-                    leases.push((i, lease));
-                    outcomes.push(None);
-                }
-                Err(outcome) => outcomes.push(Some(outcome)),
-            }
-        }
-        if leases.is_empty() {
-            let outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
-            if let Some(at) = offset(&outcomes) {
-                self.store_offset(&at).await?;
-            }
-            return Ok(outcomes);
-        }
-        let mut pass = match self.pass(claims, &leases, &mut handler, false).await? {
-            Some(pass) => pass,
-            None => self
-                .pass(claims, &leases, &mut handler, true)
-                .await?
-                .ok_or_else(|| Error::corrupt("the careful pass gave up"))?,
-        };
-        for (i, outcome) in pass.outcomes.drain(..) {
-            outcomes[i] = Some(outcome);
-        }
-        let outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
-        let at = offset(&outcomes);
-        let settled = self
-            .settle_in(&mut pass.tx, &pass.settle, retention, at.as_ref())
-            .await?;
-        if settled != pass.settle.len() {
-            self.timed("rollback", pass.tx.rollback()).await?;
-            return Err(Error::corrupt(format!(
-                "a locked batch settled {settled} of {} leases",
-                pass.settle.len()
-            )));
-        }
-        self.timed("commit", pass.tx.commit()).await?;
-        Ok(outcomes)
+        tx::execute_batch(self, claims, retention, handler, offset).await
     }
 
     /// Stores `offset + 1` as the group's next offset for the partition, on its own.
@@ -253,91 +195,5 @@ impl Transactional for MySqlBackend {
                 })
             })
             .collect()
-    }
-}
-
-/// A pass that ran every held handler: its open transaction, the outcome of each lease
-/// (by its index in the claims) and what to settle.
-struct Pass {
-    tx: MySqlTransaction,
-    outcomes: Vec<(usize, Outcome)>,
-    settle: Vec<Settlement>,
-}
-
-impl MySqlBackend {
-    /// Opens the batch's transaction, locks the records of `leases` and runs the held
-    /// leases' handlers in order. With `savepoints`, each handler runs under its own
-    /// savepoint and a failure rolls back to it; without, the first failure rolls the
-    /// whole transaction back and answers `None`.
-    async fn pass<H>(
-        &self,
-        claims: &[Claim],
-        leases: &[(usize, Lease)],
-        handler: &mut H,
-        savepoints: bool,
-    ) -> Result<Option<Pass>>
-    where
-        H: for<'t> FnMut(&'t mut MySqlTransaction, usize, Lease) -> TxFuture<'t> + Send,
-    {
-        let mut tx = self.timed("begin", self.pool.begin()).await?;
-        let keys: Vec<_> = leases.iter().map(|(_, l)| &l.key).collect();
-        let locked = self
-            .timed("lock batch", self.lock(&mut tx, &keys))
-            .await??;
-        let mut pass = Pass {
-            tx,
-            outcomes: Vec::with_capacity(leases.len()),
-            settle: Vec::with_capacity(leases.len()),
-        };
-        for (i, lease) in leases {
-            let (i, lease) = (*i, lease.clone());
-            if !machine::holds(locked.get(&lease.key), &lease, locked.now) {
-                pass.outcomes.push((i, Outcome::Fenced));
-                continue;
-            }
-            if savepoints {
-                let set = sqlx::raw_sql("SAVEPOINT idem_item").execute(&mut *pass.tx);
-                self.timed("savepoint", set).await?;
-            }
-            match self.run(handler(&mut pass.tx, i, lease.clone())).await {
-                Ok(response) => {
-                    pass.outcomes.push((i, Outcome::Executed(response.clone())));
-                    pass.settle.push(Settlement::complete(lease, response));
-                }
-                Err(_) if !savepoints => {
-                    self.timed("rollback", pass.tx.rollback()).await?;
-                    return Ok(None);
-                }
-                Err(failure) => {
-                    let back =
-                        sqlx::raw_sql("ROLLBACK TO SAVEPOINT idem_item").execute(&mut *pass.tx);
-                    self.timed("rollback", back).await?;
-                    let outcome = Outcome::after_failure(
-                        lease.attempts,
-                        claims[i].max_attempts,
-                        failure.kind(),
-                        failure.message().to_owned(),
-                    );
-                    pass.outcomes.push((i, outcome));
-                    pass.settle
-                        .push(Settlement::fail(lease, failure.message(), failure.kind()));
-                }
-            }
-        }
-        Ok(Some(pass))
-    }
-}
-
-/// The lease of an acquired claim, or the outcome of one that was not: a duplicate
-/// (`Replayed`), `InProgress`, `Poisoned` or `Mismatch`.
-fn acquired(answer: ClaimOutcome) -> Result<Lease, Outcome> {
-    match answer {
-        ClaimOutcome::Acquired(lease) => Ok(lease),
-        ClaimOutcome::Completed(bytes) => Err(Outcome::Replayed(bytes)),
-        ClaimOutcome::InProgress { owner, lease_until } => {
-            Err(Outcome::InProgress { owner, lease_until })
-        }
-        ClaimOutcome::Poisoned { attempts, error } => Err(Outcome::Poisoned { attempts, error }),
-        ClaimOutcome::Mismatch => Err(Outcome::Mismatch),
     }
 }

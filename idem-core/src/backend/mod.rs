@@ -19,6 +19,9 @@
 //!   ([`driver`]);
 //! - panics turned into failures ([`panic_at_poll`], [`panic_text`], [`Unwind`]) and
 //!   transactional mode's offsets ([`OffsetPosition`], [`StoredOffset`], [`TxFuture`]);
+//! - transactional mode written once over a store's transaction steps ([`tx`]: the
+//!   [`TxStore`](tx::TxStore) hooks, [`tx::execute`], [`tx::execute_batch`]), which the
+//!   SQL backends answer [`Transactional`](crate::Transactional) with;
 //! - [`async_trait`](macro@async_trait), which `Backend` is declared with.
 //!
 //! Types that a user's own code meets (a [`Lease`] in a handler's
@@ -57,6 +60,7 @@ use crate::{Error, FailureKind, HandlerError, Key, Lease, Record, Result, State,
 pub mod driver;
 pub mod machine;
 mod model;
+pub mod tx;
 pub mod watch;
 
 pub use crate::engine::Ran;
