@@ -87,9 +87,15 @@ impl Tables {
     /// Locks the records of `n` distinct keys (`?` pairs of namespace and id) and reads
     /// them with the server's clock: one row with `now_ms` and NULL columns when none
     /// exists. The scan of the primary key's ranges takes the row locks in key order.
+    ///
+    /// The primary key is forced: on a table whose statistics say it is empty (just
+    /// created or truncated), MariaDB 10.11 plans this join as a full scan, which under
+    /// `FOR UPDATE` reads and locks every row, and keeps that plan while the table grows
+    /// (measured: 39 ms per claim of 35 keys at 16,000 rows, against 8 ms for 150 keys
+    /// on the primary key).
     pub fn lock(&self, n: usize) -> String {
         let mut s = format!(
-            "SELECT d.now_ms, {} FROM (SELECT {NOW_MS} AS now_ms) d LEFT JOIN {} r ON (r.namespace, r.id) IN (",
+            "SELECT d.now_ms, {} FROM (SELECT {NOW_MS} AS now_ms) d LEFT JOIN {} r FORCE INDEX (PRIMARY) ON (r.namespace, r.id) IN (",
             columns("r."),
             self.records
         );
@@ -228,6 +234,7 @@ mod tests {
         assert_eq!(t.records, "`idem`.idem_records");
         let lock = t.lock(2);
         assert!(lock.ends_with("IN ((?, ?), (?, ?)) FOR UPDATE"), "{lock}");
+        assert!(lock.contains("r FORCE INDEX (PRIMARY) ON"), "{lock}");
         assert_eq!(t.insert(3).matches('?').count(), 3 * COLUMNS.len());
         assert!(
             t.upsert(1)
