@@ -952,6 +952,28 @@ fn profile(which: &str) {
             mysql: None,
         }
     };
+    let runs: usize = std::env::var("IDEM_KAFKA_PROFILE_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    for run in 0..runs {
+        if run > 0 {
+            rt.block_on(stores.reset());
+        }
+        profile_once(which, n, &rt, &brokers, &topic, &stores);
+    }
+}
+
+/// One run of [`profile`]'s loop, printed.
+fn profile_once(
+    which: &str,
+    n: usize,
+    rt: &tokio::runtime::Runtime,
+    brokers: &str,
+    topic: &str,
+    stores: &Stores,
+) {
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
     let tally = Tally::default();
     let took = rt.block_on(async {
         match which {
