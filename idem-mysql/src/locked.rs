@@ -158,7 +158,10 @@ impl MySqlBackend {
             let sql = self.tables.lock(padded);
             let mut query = sqlx::query(AssertSqlSafe(sql));
             let last = chunk[chunk.len() - 1];
-            for key in chunk.iter().chain(std::iter::repeat_n(&last, padded - chunk.len())) {
+            for key in chunk
+                .iter()
+                .chain(std::iter::repeat_n(&last, padded - chunk.len()))
+            {
                 query = query
                     .bind(key.namespace().as_bytes())
                     .bind(key.id().as_bytes());
@@ -344,10 +347,15 @@ mod tests {
         for n in [0usize, 1, 3, 255, 256, 300, 500, 1000] {
             let items: Vec<usize> = (0..n).collect();
             let runs: Vec<&[usize]> = power_of_two_runs(&items, 256).collect();
-            assert!(runs.iter().all(|r| r.len().is_power_of_two() && r.len() <= 256));
+            assert!(
+                runs.iter()
+                    .all(|r| r.len().is_power_of_two() && r.len() <= 256)
+            );
             assert_eq!(runs.concat(), items, "n = {n}");
         }
-        let lens: Vec<usize> = power_of_two_runs(&[0u8; 300], 256).map(<[u8]>::len).collect();
+        let lens: Vec<usize> = power_of_two_runs(&[0u8; 300], 256)
+            .map(<[u8]>::len)
+            .collect();
         assert_eq!(lens, [256, 32, 8, 4]);
     }
 }
