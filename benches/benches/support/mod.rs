@@ -158,7 +158,7 @@ pub fn window(on: bool) {
                     (name, ns.saturating_sub(before))
                 })
                 .collect();
-            spent.sort_by(|a, b| b.1.cmp(&a.1));
+            spent.sort_by_key(|t| std::cmp::Reverse(t.1));
             WINDOW_CPU.store(spent.iter().map(|t| t.1).sum(), Ordering::Relaxed);
             *WINDOW_THREADS.lock().unwrap_or_else(|e| e.into_inner()) = spent;
         }
