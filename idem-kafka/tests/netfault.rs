@@ -18,6 +18,7 @@
 //! in the ledger; in transactional mode each exactly once; in lease mode every later row
 //! of a payment under a higher token than the one before, from a takeover; the group's
 //! committed offsets at the end of every partition. Each test prints one line of figures.
+//! `the_proxy_delays_stalls_and_resets` checks the proxy's switches on an echo server.
 
 mod common;
 
@@ -30,7 +31,7 @@ use common::proxy::{self, Proxy};
 use common::{Out, Recorder};
 use futures::FutureExt;
 use idem_core::{Backend, Context, Engine, HandlerError, Transactional};
-use idem_kafka::{IdemConsumer, Message};
+use idem_kafka::{ConsumerBuilder, IdemConsumer, Message};
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
 
@@ -102,7 +103,7 @@ async fn the_proxy_delays_stalls_and_resets() {
         conn.read_exact(buf).await.expect("read");
         at.elapsed()
     };
-    assert!(round_trip(&mut conn, &mut buf).await < Duration::from_millis(100));
+    assert!(round_trip(&mut conn, &mut buf).await < Duration::from_millis(250));
 
     proxy.latency(Duration::from_millis(200));
     let slow = round_trip(&mut conn, &mut buf).await;
@@ -136,7 +137,7 @@ async fn the_proxy_delays_stalls_and_resets() {
     let mut again = tokio::net::TcpStream::connect(proxy.addr())
         .await
         .expect("connect");
-    assert!(round_trip(&mut again, &mut buf).await < Duration::from_millis(100));
+    assert!(round_trip(&mut again, &mut buf).await < Duration::from_millis(250));
     assert_eq!((proxy.accepted(), proxy.open()), (2, 1));
 }
 
@@ -251,6 +252,10 @@ struct Figures {
 async fn scenario(mode: Mode, in_flight: usize) {
     let started = Instant::now();
     let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
+    let store_url = idem_conformance::service_env(match mode {
+        Mode::Lease => "IDEM_REDIS_URL",
+        Mode::Transactional => "IDEM_POSTGRES_URL",
+    });
     let (direct, ledger) = common::postgres().await;
     let q = format!("ALTER TABLE {ledger} ADD COLUMN seq bigserial");
     sqlx::query(sqlx::AssertSqlSafe(q))
@@ -277,70 +282,14 @@ async fn scenario(mode: Mode, in_flight: usize) {
         .retry_backoff(Duration::from_millis(20), Duration::from_millis(500));
     let (proxy, builder, label) = match mode {
         Mode::Lease => {
-            let url = idem_conformance::service_env("IDEM_REDIS_URL");
-            let proxy = Proxy::start(&proxy::split_url(&url, 6379).1).await;
-            let config = RedisConfig::new(proxy::through(&url, 6379, &proxy))
-                .with_prefix(format!("{}:", common::unique("idem-netfault")));
-            let redis = RedisBackend::connect(config).await;
-            let redis = redis.expect("connect to IDEM_REDIS_URL through the proxy");
-            let pool = direct.pool().clone();
-            let (running, insert) = (running.clone(), insert.clone());
-            let builder = builder.engine(engine(Arc::new(redis))).handler(
-                move |msg: Message, ctx: Option<Context>| {
-                    let (pool, insert, running) = (pool.clone(), insert.clone(), running.clone());
-                    async move {
-                        let id = payment(&msg)?;
-                        let ctx = ctx.ok_or_else(|| HandlerError::permanent("no lease"))?;
-                        let _entered = running.enter(&id);
-                        sqlx::query(sqlx::AssertSqlSafe(insert))
-                            .bind(&id)
-                            .bind(i64::try_from(ctx.token()).unwrap_or(i64::MAX))
-                            .bind(format!("{:?}", ctx.kind()))
-                            .execute(&pool)
-                            .await
-                            .map_err(|e| HandlerError::retry(format!("ledger: {e}")))?;
-                        if is_slow(&id) {
-                            tokio::time::sleep(SLOW).await;
-                        }
-                        Ok(Bytes::from(format!("paid {id}")))
-                    }
-                },
-            );
-            (proxy, builder, "Redis, lease mode")
+            let (proxy, b) =
+                lease_mode(builder, &store_url, &direct, insert, running.clone()).await;
+            (proxy, b, "Redis, lease mode")
         }
         Mode::Transactional => {
-            let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
-            let proxy = Proxy::start(&proxy::split_url(&url, 5432).1).await;
-            let config = PgConfig::new(proxy::through(&url, 5432, &proxy))
-                .with_schema(direct.schema())
-                .with_max_connections(16)
-                .with_query_timeout(PG_TIMEOUT)
-                .with_connect_timeout(PG_TIMEOUT);
-            let pg = PgBackend::connect(config).await;
-            let pg = pg.expect("connect to IDEM_POSTGRES_URL through the proxy");
-            let running = running.clone();
-            let builder = builder.engine(engine(Arc::new(pg.clone()))).transactional(
-                pg,
-                move |msg, tx, lease| {
-                    let (insert, running) = (insert.clone(), running.clone());
-                    async move {
-                        let id = payment(&msg)?;
-                        let _entered = running.enter(&id);
-                        sqlx::query(sqlx::AssertSqlSafe(insert))
-                            .bind(&id)
-                            .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
-                            .bind(format!("{:?}", lease.kind))
-                            .execute(&mut **tx)
-                            .await?;
-                        if is_slow(&id) {
-                            tokio::time::sleep(SLOW).await;
-                        }
-                        Ok(Bytes::from(format!("paid {id}")))
-                    }
-                    .boxed()
-                },
-            );
-            (proxy, builder, "PostgreSQL, transactional mode")
+            let (proxy, b) =
+                transactional_mode(builder, &store_url, &direct, insert, running.clone()).await;
+            (proxy, b, "PostgreSQL, transactional mode")
         }
     };
     let label = format!("{label}, in_flight {in_flight}");
@@ -361,36 +310,7 @@ async fn scenario(mode: Mode, in_flight: usize) {
         // The fault comes once the consumer has started on the wave.
         recorder.wait_settled(produced + 1, WAIT).await;
         produced += wave.len();
-        match n {
-            0 => {}
-            1 => {
-                proxy.latency(LATENCY);
-                tokio::time::sleep(LATENCY_FOR / 2).await;
-                let cut = proxy.reset();
-                tokio::time::sleep(LATENCY_FOR / 2).await;
-                proxy.latency(Duration::ZERO);
-                figures.faults.push(format!(
-                    "latency {} ms for {} s",
-                    LATENCY.as_millis(),
-                    LATENCY_FOR.as_secs()
-                ));
-                figures
-                    .faults
-                    .push(format!("reset under latency ({cut} cut)"));
-            }
-            2 => {
-                let cut = proxy.reset();
-                figures.faults.push(format!("reset ({cut} cut)"));
-            }
-            _ => {
-                proxy.blackhole(true);
-                tokio::time::sleep(BLACKHOLE_FOR).await;
-                proxy.blackhole(false);
-                figures
-                    .faults
-                    .push(format!("blackhole {} s", BLACKHOLE_FOR.as_secs()));
-            }
-        }
+        inject(n, &proxy, &mut figures).await;
         last_fault_end = Instant::now();
         recorder.wait_settled(produced, WAIT).await;
         if n > 0 {
@@ -468,6 +388,115 @@ async fn scenario(mode: Mode, in_flight: usize) {
     common::drop_schema(&direct).await;
 }
 
+/// Redis at `url` through a proxy as the store, and a handler that writes its effect straight to
+/// PostgreSQL with `insert`, before it returns (a double effect would show).
+async fn lease_mode(
+    builder: ConsumerBuilder,
+    url: &str,
+    direct: &PgBackend,
+    insert: String,
+    running: Arc<Running>,
+) -> (Proxy, ConsumerBuilder) {
+    let proxy = Proxy::start(&proxy::split_url(url, 6379).1).await;
+    let config = RedisConfig::new(proxy::through(url, 6379, &proxy))
+        .with_prefix(format!("{}:", common::unique("idem-netfault")));
+    let redis = RedisBackend::connect(config).await;
+    let redis = redis.expect("connect to IDEM_REDIS_URL through the proxy");
+    let pool = direct.pool().clone();
+    let handler = move |msg: Message, ctx: Option<Context>| {
+        let (pool, insert, running) = (pool.clone(), insert.clone(), running.clone());
+        async move {
+            let id = payment(&msg)?;
+            let ctx = ctx.ok_or_else(|| HandlerError::permanent("no lease"))?;
+            let _entered = running.enter(&id);
+            sqlx::query(sqlx::AssertSqlSafe(insert))
+                .bind(&id)
+                .bind(i64::try_from(ctx.token()).unwrap_or(i64::MAX))
+                .bind(format!("{:?}", ctx.kind()))
+                .execute(&pool)
+                .await
+                .map_err(|e| HandlerError::retry(format!("ledger: {e}")))?;
+            if is_slow(&id) {
+                tokio::time::sleep(SLOW).await;
+            }
+            Ok(Bytes::from(format!("paid {id}")))
+        }
+    };
+    let builder = builder.engine(engine(Arc::new(redis))).handler(handler);
+    (proxy, builder)
+}
+
+/// PostgreSQL at `url` through a proxy as the store (in `direct`'s schema, where the ledger is),
+/// and a handler that writes its effect with `insert` in its transaction.
+async fn transactional_mode(
+    builder: ConsumerBuilder,
+    url: &str,
+    direct: &PgBackend,
+    insert: String,
+    running: Arc<Running>,
+) -> (Proxy, ConsumerBuilder) {
+    let proxy = Proxy::start(&proxy::split_url(url, 5432).1).await;
+    let config = PgConfig::new(proxy::through(url, 5432, &proxy))
+        .with_schema(direct.schema())
+        .with_max_connections(16)
+        .with_query_timeout(PG_TIMEOUT)
+        .with_connect_timeout(PG_TIMEOUT);
+    let pg = PgBackend::connect(config).await;
+    let pg = pg.expect("connect to IDEM_POSTGRES_URL through the proxy");
+    let builder = builder.engine(engine(Arc::new(pg.clone())));
+    // Given inline: the handler must be general over the transaction's lifetime.
+    let builder = builder.transactional(pg, move |msg, tx, lease| {
+        let (insert, running) = (insert.clone(), running.clone());
+        async move {
+            let id = payment(&msg)?;
+            let _entered = running.enter(&id);
+            sqlx::query(sqlx::AssertSqlSafe(insert))
+                .bind(&id)
+                .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+                .bind(format!("{:?}", lease.kind))
+                .execute(&mut **tx)
+                .await?;
+            if is_slow(&id) {
+                tokio::time::sleep(SLOW).await;
+            }
+            Ok(Bytes::from(format!("paid {id}")))
+        }
+        .boxed()
+    });
+    (proxy, builder)
+}
+
+/// The fault that meets wave `n` (none for the first), described in `figures`; returns
+/// once it is over.
+async fn inject(n: usize, proxy: &Proxy, figures: &mut Figures) {
+    match n {
+        0 => {}
+        1 => {
+            proxy.latency(LATENCY);
+            tokio::time::sleep(LATENCY_FOR / 2).await;
+            let cut = proxy.reset();
+            tokio::time::sleep(LATENCY_FOR / 2).await;
+            proxy.latency(Duration::ZERO);
+            let (ms, s) = (LATENCY.as_millis(), LATENCY_FOR.as_secs());
+            figures.faults.push(format!("latency {ms} ms for {s} s"));
+            figures
+                .faults
+                .push(format!("reset under latency ({cut} cut)"));
+        }
+        2 => {
+            let cut = proxy.reset();
+            figures.faults.push(format!("reset ({cut} cut)"));
+        }
+        _ => {
+            proxy.blackhole(true);
+            tokio::time::sleep(BLACKHOLE_FOR).await;
+            proxy.blackhole(false);
+            let s = BLACKHOLE_FOR.as_secs();
+            figures.faults.push(format!("blackhole {s} s"));
+        }
+    }
+}
+
 /// An engine with the test's short lease; lapses spend attempts, so it allows ten.
 fn engine(backend: Arc<dyn Backend>) -> Engine {
     Engine::builder(backend)
@@ -520,6 +549,9 @@ async fn check(mode: Mode, direct: &PgBackend, ledger: &str, label: &str, figure
                 1,
                 "{label}: {id} applied more than once: {effects:?}"
             );
+        }
+        if effects.len() > 1 {
+            eprintln!("netfault ({label}): {id} applied under (token, kind) {effects:?}");
         }
         for pair in effects.windows(2) {
             let ((earlier, _), (later, kind)) = (&pair[0], &pair[1]);
