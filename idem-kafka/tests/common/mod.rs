@@ -1,6 +1,7 @@
 //! Helpers shared by the loop tests (MockCluster) and the crash test (tansu).
 #![allow(dead_code)]
 
+pub mod proxy;
 pub mod wire;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
