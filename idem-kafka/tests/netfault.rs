@@ -385,6 +385,16 @@ async fn scenario(mode: Mode, in_flight: usize) {
         figures.connections,
         figures.seconds
     );
+    // A row of `scripts/faults`' table.
+    eprintln!(
+        "| store network faults ({}), {label} | {PAYMENTS} | {} | {} | {} | {} s | {:.1} s |",
+        figures.faults.join(", "),
+        figures.faults.len(),
+        figures.effects,
+        figures.doubles,
+        recovered.join(" / "),
+        figures.seconds
+    );
     common::drop_schema(&direct).await;
 }
 
