@@ -266,15 +266,15 @@ impl ConsumerBuilder {
 
     /// Lease mode: the most effects of one partition that may have run without being
     /// settled, so the most a crash repeats per partition (default
-    /// [`batch_size`](Self::batch_size): the chunk, as before this setting).
+    /// [`batch_size`](Self::batch_size): no bound but the chunk's length).
     ///
     /// A chunk of a poll batch is claimed in one store call and its results are settled in
     /// one call at its end; a crash between a handler's effect and that settle repeats the
     /// effect once the lease lapses (under a higher token). Each chunk is at most `n`
     /// messages, so at most `n` handlers of a partition can have run, or be running,
     /// without their results stored. At 1 a partition claims, runs and settles one message
-    /// at a time: a crash repeats at most one effect per partition, at the price of two
-    /// store calls per message. With [`in_flight`](Self::in_flight) above `n`, at most `n`
+    /// at a time: a crash repeats at most one effect per partition, at the price of a
+    /// claim and a settle per message. With [`in_flight`](Self::in_flight) above `n`, at most `n`
     /// handlers of a partition run at once (the bound is what limits them). A revoke is
     /// not a crash: a handler still running past the revoke timeout is detached and its
     /// effect may repeat beside the bound.
