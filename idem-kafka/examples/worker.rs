@@ -8,9 +8,14 @@
 //!   `mariadb://` URL, MySQL (`--store`, idem's tables migrated in `--schema`), and the
 //!   ledger row is written in the handler's transaction, in the same database (`--ledger`
 //!   is not used).
-//! - `--mode lease`: the store is Redis (`--store`, keys under `idem-sigkill:<group>:`), and
-//!   the ledger row is committed on its own before the handler returns, so a kill between
-//!   the row and the `complete` leaves a real double effect for the takeover.
+//! - `--mode lease`: the store is Redis (`--store redis://…`, keys under
+//!   `idem-sigkill:<group>:`), PostgreSQL (`postgres://…`) or MySQL (`mysql://…`) with
+//!   idem's tables migrated in `--schema`, or DynamoDB (`http://…`, DynamoDB Local's
+//!   endpoint, in the table `idem_sigkill`, created beforehand); the ledger row is committed on its own (in
+//!   PostgreSQL, `--ledger`) before the handler returns, so a kill between the row and the
+//!   settle leaves a real double effect for the takeover. `--max-unsettled <n>` sets
+//!   `ConsumerBuilder::max_unsettled`: at most `n` effects per partition run without
+//!   being settled, so a kill repeats at most `n` per partition it held.
 //!
 //! It prints `settled partition=<p> offset=<o>` for each message it settles and
 //! `stopped settled=<n>` after a clean stop; on bad input it prints `worker: error: ...` to
@@ -34,6 +39,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use idem_core::{Bytes, Engine, HandlerError};
+use idem_dynamo::{DynamoBackend, DynamoConfig};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::{ConsumerBuilder, IdemConsumer, Message, Point, Probe, Verdict};
 use idem_mysql::{MySqlBackend, MySqlConfig};
@@ -41,8 +47,12 @@ use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
 
 const USAGE: &str = "usage: worker --mode transactional|lease --brokers <b> --topic <t> \
-     --group <g> --store <postgres|mysql|redis url> --ledger <postgres url> \
-     --schema <schema> [--instance <n>] [--lease-ms <ms>] [--work-ms <ms>]";
+     --group <g> --store <postgres|mysql|redis|dynamodb http url> --ledger <postgres url> \
+     --schema <schema> [--instance <n>] [--lease-ms <ms>] [--work-ms <ms>] \
+     [--max-unsettled <n>]";
+
+/// The DynamoDB table of lease mode (keys are namespaced by the group).
+const DYNAMO_TABLE: &str = "idem_sigkill";
 
 /// What the command line asked for.
 struct Args {
@@ -56,6 +66,8 @@ struct Args {
     instance: i32,
     lease: Duration,
     work: Duration,
+    /// `ConsumerBuilder::max_unsettled`, if given.
+    max_unsettled: Option<usize>,
 }
 
 impl Args {
@@ -81,6 +93,10 @@ impl Args {
             instance: number(f, "instance", 0)?,
             lease: Duration::from_millis(number(f, "lease-ms", 2000)?),
             work: Duration::from_millis(number(f, "work-ms", 0)?),
+            max_unsettled: f
+                .contains_key("max-unsettled")
+                .then(|| number(f, "max-unsettled", 0))
+                .transpose()?,
         };
         if let Some(name) = flags.keys().next() {
             return Err(format!("unknown flag --{name}"));
@@ -175,6 +191,10 @@ async fn run(args: Args) -> Result<u64, String> {
         .shutdown(async move {
             let _ = stop.await;
         });
+    let builder = match args.max_unsettled {
+        Some(n) => builder.max_unsettled(n),
+        None => builder,
+    };
     let consumer = if args.mode == "transactional" {
         transactional(builder, &args).await?
     } else {
@@ -257,16 +277,45 @@ async fn transactional(builder: ConsumerBuilder, args: &Args) -> Result<IdemCons
     builder.build().map_err(|e| format!("consumer: {e}"))
 }
 
-/// Lease mode on Redis: the ledger row commits on its own, before `complete`.
+/// The lease-mode store `--store` names: Redis, PostgreSQL, MySQL or DynamoDB Local.
+async fn lease_store(args: &Args) -> Result<Arc<dyn idem_core::Backend>, String> {
+    let url = args.store.as_str();
+    let schema = args.schema.as_str();
+    let store = |e: idem_core::Error| format!("--store: {e}");
+    let backend: Arc<dyn idem_core::Backend> = if url.starts_with("redis") {
+        let prefix = format!("idem-sigkill:{}:", args.group);
+        let config = RedisConfig::new(url).with_prefix(prefix);
+        Arc::new(RedisBackend::connect(config).await.map_err(store)?)
+    } else if url.starts_with("postgres") {
+        let config = PgConfig::new(url)
+            .with_schema(schema)
+            .with_max_connections(8);
+        Arc::new(PgBackend::connect(config).await.map_err(store)?)
+    } else if url.starts_with("mysql") || url.starts_with("mariadb") {
+        let config = MySqlConfig::new(url)
+            .with_schema(schema)
+            .with_max_connections(8);
+        Arc::new(MySqlBackend::connect(config).await.map_err(store)?)
+    } else if url.starts_with("http") {
+        // Every worker runs on this machine's clock: a small skew margin.
+        let config =
+            DynamoConfig::local(url, DYNAMO_TABLE).with_clock_skew(Duration::from_millis(50));
+        Arc::new(DynamoBackend::connect(config).await.map_err(store)?)
+    } else {
+        return Err(format!(
+            "--store {url:?}: a redis, postgres, mysql or http URL"
+        ));
+    };
+    Ok(backend)
+}
+
+/// Lease mode: the ledger row commits on its own, before the settle.
 async fn lease(
     builder: ConsumerBuilder,
     args: &Args,
     insert: String,
 ) -> Result<IdemConsumer, String> {
-    let prefix = format!("idem-sigkill:{}:", args.group);
-    let redis = RedisBackend::connect(RedisConfig::new(args.store.as_str()).with_prefix(prefix))
-        .await
-        .map_err(|e| format!("--store: {e}"))?;
+    let backend = lease_store(args).await?;
     let ledger = sqlx::postgres::PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(5))
@@ -275,7 +324,7 @@ async fn lease(
         .map_err(|e| format!("--ledger: {e}"))?;
     let (instance, work) = (args.instance, args.work);
     builder
-        .engine(engine(Arc::new(redis), args)?)
+        .engine(engine(backend, args)?)
         .handler(move |msg, ctx| {
             let (insert, ledger) = (insert.clone(), ledger.clone());
             async move {

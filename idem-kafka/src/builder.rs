@@ -77,6 +77,8 @@ pub struct ConsumerBuilder {
     in_flight: usize,
     order_by: crate::OrderBy,
     batch_size: usize,
+    max_unsettled: Option<usize>,
+    settle_within: Duration,
     max_buffered: Option<usize>,
     max_buffered_bytes: Option<usize>,
     commit_interval: Duration,
@@ -112,6 +114,8 @@ impl ConsumerBuilder {
             in_flight: 1,
             order_by: crate::OrderBy::default(),
             batch_size: 500,
+            max_unsettled: None,
+            settle_within: Duration::from_millis(100),
             max_buffered: None,
             max_buffered_bytes: None,
             commit_interval: Duration::from_secs(1),
@@ -257,6 +261,40 @@ impl ConsumerBuilder {
     /// [`MAX_BATCH_SIZE`]).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
+        self
+    }
+
+    /// Lease mode: the most effects of one partition that may have run without being
+    /// settled, so the most a crash repeats per partition (default
+    /// [`batch_size`](Self::batch_size): no bound but the chunk's length).
+    ///
+    /// A chunk of a poll batch is claimed in one store call and its results are settled in
+    /// one call at its end; a crash between a handler's effect and that settle repeats the
+    /// effect once the lease lapses (under a higher token). Each chunk is at most `n`
+    /// messages, so at most `n` handlers of a partition can have run, or be running,
+    /// without their results stored. At 1 a partition claims, runs and settles one message
+    /// at a time: a crash repeats at most one effect per partition, at the price of a
+    /// claim and a settle per message. With [`in_flight`](Self::in_flight) above `n`, at most `n`
+    /// handlers of a partition run at once (the bound is what limits them). A revoke is
+    /// not a crash: a handler still running past the revoke timeout is detached and its
+    /// effect may repeat beside the bound.
+    ///
+    /// Transactional mode is not bounded by it: a crash rolls the chunk's writes back.
+    pub fn max_unsettled(mut self, n: usize) -> Self {
+        self.max_unsettled = Some(n);
+        self
+    }
+
+    /// How long a chunk's results should wait for their settle (default 100 ms): chunks
+    /// are sized to run within this, or a quarter of the lease if less, at the handler
+    /// time measured so far (the first chunk of a partition is at most 16 messages). It is
+    /// a target, not a bound: a handler slower than measured, or the leading messages of
+    /// distinct keys that [`in_flight`](Self::in_flight) runs together, can take longer;
+    /// [`max_unsettled`](Self::max_unsettled) is the hard bound on what a crash repeats.
+    /// Shorter means smaller chunks, so more store calls per message; in transactional
+    /// mode it sizes the chunk's transaction.
+    pub fn settle_within(mut self, within: Duration) -> Self {
+        self.settle_within = idem_core::clock::capped(within);
         self
     }
 
@@ -417,6 +455,12 @@ impl ConsumerBuilder {
                 "batch_size must be 1 to {MAX_BATCH_SIZE}"
             )));
         }
+        if self.max_unsettled == Some(0) {
+            return Err(Error::Config("max_unsettled must be at least 1".into()));
+        }
+        if self.settle_within.is_zero() {
+            return Err(Error::Config("settle_within must be above zero".into()));
+        }
         let permits = Semaphore::MAX_PERMITS;
         if !(1..=permits).contains(&self.in_flight) {
             return Err(Error::Config(format!("in_flight must be 1 to {permits}")));
@@ -487,6 +531,8 @@ impl ConsumerBuilder {
             in_flight: self.in_flight,
             order_by: self.order_by,
             batch_size: self.batch_size,
+            max_unsettled: self.max_unsettled.unwrap_or(self.batch_size),
+            settle_within: self.settle_within,
             max_buffered,
             max_buffered_bytes,
             commit_interval: self.commit_interval,

@@ -86,6 +86,11 @@ pub(crate) struct Settings {
     pub in_flight: usize,
     pub order_by: crate::OrderBy,
     pub batch_size: usize,
+    /// Lease mode: the most handlers of one partition whose effects may have run without
+    /// being settled (a crash repeats at most this many); `batch_size` unless set.
+    pub max_unsettled: usize,
+    /// The longest a chunk's results should wait for their settle, as handlers are timed.
+    pub settle_within: Duration,
     pub max_buffered: usize,
     pub max_buffered_bytes: usize,
     pub commit_interval: Duration,

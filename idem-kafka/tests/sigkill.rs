@@ -6,8 +6,10 @@
 //! random pause), a random worker among those that settled something is killed and a
 //! replacement starts. When every payment is in the ledger and the group's offsets reach
 //! the end, the remaining workers stop and the ledger is checked: no payment lost; in
-//! transactional mode each exactly once; in lease mode (Redis, `IDEM_REDIS_URL`) every
-//! double effect comes after a takeover with a higher token.
+//! transactional mode each exactly once; in lease mode (on Redis, `IDEM_REDIS_URL`,
+//! PostgreSQL, MySQL or DynamoDB Local, `IDEM_DYNAMO_ENDPOINT`) every double effect comes
+//! after a takeover with a higher token, and the test reports the doubles per kill; with
+//! `--max-unsettled 1` no kill repeats more than one effect per partition.
 
 mod common;
 
@@ -38,8 +40,24 @@ const TIMEOUT: Duration = Duration::from_secs(180);
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Transactional,
-    Lease,
+    /// Lease mode on `store`, with the worker's `--max-unsettled` if given.
+    Lease {
+        store: LeaseStore,
+        max_unsettled: Option<usize>,
+    },
 }
+
+/// The store of lease mode.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum LeaseStore {
+    Redis,
+    Postgres,
+    Mysql,
+    Dynamo,
+}
+
+/// The DynamoDB table the worker example uses in lease mode.
+const DYNAMO_TABLE: &str = "idem_sigkill";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_workers_transactional_postgres() {
@@ -55,8 +73,69 @@ async fn sigkilled_workers_transactional_mysql() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_workers_lease_redis() {
-    let f = scenario(Mode::Lease, Sql::Postgres).await;
+    lease(LeaseStore::Redis, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lease_redis_max_unsettled_1() {
+    lease(LeaseStore::Redis, Some(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lease_postgres() {
+    lease(LeaseStore::Postgres, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lease_postgres_max_unsettled_1() {
+    lease(LeaseStore::Postgres, Some(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lease_mysql() {
+    lease(LeaseStore::Mysql, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lease_mysql_max_unsettled_1() {
+    lease(LeaseStore::Mysql, Some(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lease_dynamo() {
+    lease(LeaseStore::Dynamo, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_workers_lease_dynamo_max_unsettled_1() {
+    lease(LeaseStore::Dynamo, Some(1)).await;
+}
+
+/// Lease mode on `store`: every payment applied, each double after a takeover; with
+/// `max_unsettled`, no kill repeats more than that many effects on one partition.
+async fn lease(store: LeaseStore, max_unsettled: Option<usize>) -> Figures {
+    let mode = Mode::Lease {
+        store,
+        max_unsettled,
+    };
+    let f = scenario(mode, Sql::Postgres).await;
     assert_eq!(f.effects, PAYMENTS + f.doubles);
+    if let Some(n) = max_unsettled {
+        assert!(
+            f.worst_kill <= n,
+            "a kill repeated {} effects on one partition, bound {n}",
+            f.worst_kill
+        );
+        let most = f.kills * usize::try_from(PARTITIONS).expect("partitions") * n;
+        assert!(
+            f.doubles_after_kill <= most,
+            "{} doubles after {} kills of workers holding at most {PARTITIONS} partitions, \
+             bound {n} per partition",
+            f.doubles_after_kill,
+            f.kills
+        );
+    }
+    f
 }
 
 /// The database of the ledger (in transactional mode, idem's store too).
@@ -293,6 +372,8 @@ struct Figures {
     doubles_after_kill: usize,
     /// Effects whose claim took over a lapsed lease (a kill after a claim).
     takeovers: usize,
+    /// The most effects one kill repeated on one partition.
+    worst_kill: usize,
     seconds: f64,
 }
 
@@ -301,22 +382,56 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
     let (ledger, ledger_url) = Ledger::create(sql).await;
-    let store_url = match mode {
-        Mode::Transactional => ledger_url.clone(),
-        Mode::Lease => idem_conformance::service_env("IDEM_REDIS_URL"),
-    };
     let topic = common::unique("sigkill");
     let group = common::unique("sigkill-group");
     let dlq = format!("{topic}.dlq");
     common::create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
     let example = common::build_example("worker");
-    let store: std::sync::Arc<dyn Backend> = match mode {
-        Mode::Transactional => ledger.backend(),
-        Mode::Lease => {
-            let config = idem_redis::RedisConfig::new(store_url.as_str())
+    // The store, as the workers reach it (`--store`) and as this test reads it.
+    let mut mysql_schema = None;
+    let (store_url, store): (String, std::sync::Arc<dyn Backend>) = match mode {
+        // The ledger's schema has idem's tables migrated.
+        Mode::Transactional
+        | Mode::Lease {
+            store: LeaseStore::Postgres,
+            ..
+        } => (ledger_url.clone(), ledger.backend()),
+        Mode::Lease {
+            store: LeaseStore::Redis,
+            ..
+        } => {
+            let url = idem_conformance::service_env("IDEM_REDIS_URL");
+            let config = idem_redis::RedisConfig::new(url.as_str())
                 .with_prefix(format!("idem-sigkill:{group}:"));
             let redis = idem_redis::RedisBackend::connect(config).await;
-            std::sync::Arc::new(redis.expect("connect to IDEM_REDIS_URL"))
+            (
+                url,
+                std::sync::Arc::new(redis.expect("connect to IDEM_REDIS_URL")),
+            )
+        }
+        Mode::Lease {
+            store: LeaseStore::Mysql,
+            ..
+        } => {
+            let url = idem_conformance::service_env("IDEM_MYSQL_URL");
+            let config = MySqlConfig::new(url.as_str()).with_schema(ledger.schema());
+            let my = MySqlBackend::connect(config).await;
+            let my = my.expect("connect to IDEM_MYSQL_URL");
+            my.migrate().await.expect("migrate");
+            mysql_schema = Some(Ledger::Mysql(my.clone()));
+            (url, std::sync::Arc::new(my))
+        }
+        Mode::Lease {
+            store: LeaseStore::Dynamo,
+            ..
+        } => {
+            let endpoint = idem_conformance::service_env("IDEM_DYNAMO_ENDPOINT");
+            let config = idem_dynamo::DynamoConfig::local(endpoint.as_str(), DYNAMO_TABLE)
+                .with_clock_skew(Duration::from_millis(50));
+            let dynamo = idem_dynamo::DynamoBackend::connect(config).await;
+            let dynamo = dynamo.expect("connect to IDEM_DYNAMO_ENDPOINT");
+            dynamo.create_table().await.expect("create the table");
+            (endpoint, std::sync::Arc::new(dynamo))
         }
     };
 
@@ -341,14 +456,30 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
 
     let mode_arg = match mode {
         Mode::Transactional => "transactional",
-        Mode::Lease => "lease",
+        Mode::Lease { .. } => "lease",
     };
     let label = match (mode, sql) {
-        (Mode::Lease, _) => "lease, Redis",
-        (Mode::Transactional, Sql::Postgres) => "transactional, PostgreSQL",
-        (Mode::Transactional, Sql::Mysql) => "transactional, MySQL",
+        (
+            Mode::Lease {
+                store,
+                max_unsettled,
+            },
+            _,
+        ) => format!(
+            "lease, {store:?}, max_unsettled {}",
+            max_unsettled.map_or("default".into(), |n| n.to_string())
+        ),
+        (Mode::Transactional, Sql::Postgres) => "transactional, PostgreSQL".into(),
+        (Mode::Transactional, Sql::Mysql) => "transactional, MySQL".into(),
     };
-    let args = [
+    let max_unsettled = match mode {
+        Mode::Lease {
+            max_unsettled: Some(n),
+            ..
+        } => Some(n.to_string()),
+        _ => None,
+    };
+    let mut args = vec![
         ("mode", mode_arg),
         ("brokers", &brokers),
         ("topic", &topic),
@@ -359,6 +490,9 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
         ("lease-ms", LEASE_MS),
         ("work-ms", WORK_MS),
     ];
+    if let Some(n) = &max_unsettled {
+        args.push(("max-unsettled", n));
+    }
     let (events, mut rx) = mpsc::unbounded_channel();
     let mut pool = Pool {
         example: example.path().to_owned(),
@@ -381,11 +515,15 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
     // workers settled a random number of messages, after a random pause of up to 250 ms,
     // and hits one of the workers that settled something (its partitions are assigned).
     let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut partition_of: HashMap<String, i32> = HashMap::new();
     let waves: Vec<&[Out]> = outs.chunks(outs.len().div_ceil(KILLS + 1)).collect();
     for (n, wave) in waves.iter().enumerate() {
-        for (p, o) in common::produce(&brokers, &topic, wave).await {
+        let at = common::produce(&brokers, &topic, wave).await;
+        for (out, (p, o)) in wave.iter().zip(at) {
             let end = ends.entry(p).or_default();
             *end = (*end).max(o + 1);
+            let id = String::from_utf8_lossy(out.key.as_deref().unwrap_or_default());
+            partition_of.insert(id.into_owned(), p);
         }
         if n == KILLS {
             break;
@@ -478,20 +616,26 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
         );
     }
 
-    check(mode, &ledger, &pool.killed, &mut figures).await;
+    check(mode, &ledger, &pool.killed, &partition_of, &mut figures).await;
     figures.seconds = started.elapsed().as_secs_f64();
     println!(
         "sigkill ({label}): {PAYMENTS} payments, {} duplicates, {} kills, {} effects, {} \
-         doubles ({} after a kill), {} effects after a takeover, {:.1} s",
+         doubles ({} after a kill), {:.2} doubles per kill, at most {} by one kill on one \
+         partition, {} effects after a takeover, {:.1} s",
         figures.duplicates,
         figures.kills,
         figures.effects,
         figures.doubles,
         figures.doubles_after_kill,
+        figures.doubles as f64 / figures.kills.max(1) as f64,
+        figures.worst_kill,
         figures.takeovers,
         figures.seconds
     );
     ledger.drop_schema().await;
+    if let Some(schema) = mysql_schema {
+        schema.drop_schema().await;
+    }
     let _ = std::fs::remove_file(&pool.log);
     figures
 }
@@ -513,7 +657,7 @@ async fn offsets(
             .filter(|s| s.topic == topic)
             .map(|s| (s.partition, s.next_offset))
             .collect(),
-        Mode::Lease => {
+        Mode::Lease { .. } => {
             let (b, g, t) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
             let got =
                 tokio::task::spawn_blocking(move || common::committed(&b, &g, &t, PARTITIONS))
@@ -526,8 +670,16 @@ async fn offsets(
 
 /// The ledger: every payment applied; in transactional mode once; in lease mode each
 /// later effect of a payment (in the order they were written) has a higher token than the
-/// one before and comes from a takeover.
-async fn check(mode: Mode, ledger: &Ledger, killed: &HashSet<u32>, figures: &mut Figures) {
+/// one before and comes from a takeover. Counts the effects each kill repeated on each
+/// partition (the earlier effect's worker, and the payment's partition).
+async fn check(
+    mode: Mode,
+    ledger: &Ledger,
+    killed: &HashSet<u32>,
+    partition_of: &HashMap<String, i32>,
+    figures: &mut Figures,
+) {
+    let mut by_kill: HashMap<(u32, i32), usize> = HashMap::new();
     let rows = ledger.rows().await;
     let mut by_id: HashMap<String, Vec<(i64, i32, String)>> = HashMap::new();
     for (payment, token, instance, kind) in rows {
@@ -554,10 +706,13 @@ async fn check(mode: Mode, ledger: &Ledger, killed: &HashSet<u32>, figures: &mut
                 "{id}: a double effect without a takeover with a higher token: {effects:?}"
             );
             figures.doubles += 1;
-            if u32::try_from(*by).is_ok_and(|by| killed.contains(&by)) {
+            if let Some(by) = u32::try_from(*by).ok().filter(|by| killed.contains(by)) {
                 figures.doubles_after_kill += 1;
+                let partition = partition_of.get(id).copied().unwrap_or(-1);
+                *by_kill.entry((by, partition)).or_default() += 1;
             }
         }
     }
+    figures.worst_kill = by_kill.values().copied().max().unwrap_or(0);
     assert_eq!(by_id.len(), PAYMENTS, "no payment outside the plan");
 }

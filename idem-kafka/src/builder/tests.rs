@@ -29,6 +29,30 @@ fn the_byte_bound_follows_librdkafkas_prefetch_bound() {
 }
 
 #[test]
+fn the_unsettled_bound_defaults_to_the_batch_and_takes_what_is_set() {
+    let s = builder().build().unwrap();
+    assert_eq!(s.settings().max_unsettled, 500, "the batch size by default");
+    assert_eq!(s.settings().settle_within, Duration::from_millis(100));
+    let s = builder().batch_size(40).build().unwrap();
+    assert_eq!(s.settings().max_unsettled, 40, "follows the batch size");
+    let s = builder()
+        .max_unsettled(1)
+        .settle_within(Duration::from_millis(5))
+        .build()
+        .unwrap();
+    assert_eq!(s.settings().max_unsettled, 1);
+    assert_eq!(s.settings().settle_within, Duration::from_millis(5));
+    let s = builder().settle_within(Duration::MAX).build().unwrap();
+    assert_eq!(
+        s.settings().settle_within,
+        idem_core::clock::capped(Duration::MAX)
+    );
+    assert!(config_error(builder().max_unsettled(0)).contains("max_unsettled must be at least 1"));
+    let zero = builder().settle_within(Duration::ZERO);
+    assert!(config_error(zero).contains("settle_within must be above zero"));
+}
+
+#[test]
 fn durations_of_duration_max_are_a_century() {
     let century = idem_core::clock::capped(Duration::MAX);
     let s = builder()

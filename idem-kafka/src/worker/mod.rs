@@ -45,8 +45,6 @@ use crate::probe::Point;
 use crate::retry::Backoff;
 use crate::settings::{MissingKey, Mode, Settings};
 
-/// The longest a chunk's results wait for their settle, as handlers are timed so far.
-const SETTLE_WITHIN: Duration = Duration::from_millis(100);
 /// How many messages the first chunk of a partition claims, before any handler was timed.
 const FIRST_CHUNK: usize = 16;
 
@@ -437,7 +435,7 @@ impl Worker {
     }
 
     /// How many of the `left` messages to claim at once: all of them while handlers are
-    /// fast, fewer when a chunk would take longer than [`SETTLE_WITHIN`] or a quarter of
+    /// fast, fewer when a chunk would take longer than `settle_within` or a quarter of
     /// the lease to run (its results are settled, and its offsets stored, only at its
     /// end). The first chunk, before any handler was timed, is at most [`FIRST_CHUNK`].
     ///
@@ -445,12 +443,17 @@ impl Worker {
     /// ordering keys differ, up to `in_flight`: they start together, so no lease of theirs
     /// waits for another handler, however slow the handlers are (a chunk sized by time
     /// alone shrank to one message, and ran slow handlers one at a time).
+    ///
+    /// In lease mode no chunk is longer than `max_unsettled`, that floor included: a chunk
+    /// is the most effects that may have run without being settled (the lanes of a chunk
+    /// all end before the next chunk starts), so the most a crash repeats.
     fn chunk_len(&self, left: &[Item]) -> usize {
-        let in_flight = self.settings().in_flight;
+        let settings = self.settings();
+        let in_flight = settings.in_flight;
         let fits = if self.per_message.is_zero() {
             FIRST_CHUNK
         } else {
-            let budget = (self.engine.lease_ttl() / 4).min(SETTLE_WITHIN);
+            let budget = (self.engine.lease_ttl() / 4).min(settings.settle_within);
             let fits = budget.as_nanos() / self.per_message.as_nanos().max(1);
             usize::try_from(fits).unwrap_or(usize::MAX)
         };
@@ -461,7 +464,11 @@ impl Worker {
         } else {
             1
         };
-        left.len().min(fits.max(floor).max(1))
+        let len = left.len().min(fits.max(floor).max(1));
+        match settings.mode {
+            Mode::Lease(_) => len.min(settings.max_unsettled.max(1)),
+            Mode::Transactional(_) => len,
+        }
     }
 
     /// The key that orders `item` among concurrent handlers, if any.
