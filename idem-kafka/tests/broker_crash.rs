@@ -14,12 +14,12 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::Out;
+use common::ledger::{self, payment};
 use idem_core::{Backend, Engine};
 use idem_kafka::IdemConsumer;
 use idem_postgres::PgBackend;
@@ -233,7 +233,10 @@ async fn scenario(mode: Mode) -> Figures {
             .expect("consumer task")
             .expect("the consumer ends cleanly");
     }
-    check(mode, &ledger_db, &ledger, &mut figures).await;
+    let label = format!("broker crash, {mode:?}");
+    let exactly_once = mode == Mode::Transactional;
+    let tally = ledger::check(ledger_db.pool(), &ledger, payments, exactly_once, &label).await;
+    (figures.effects, figures.doubles) = (tally.effects, tally.doubles);
     figures.seconds = started.elapsed().as_secs_f64();
     // A row of `scripts/faults`' table: scenario, messages, faults, effects, doubles,
     // time to recover, run time.
@@ -311,12 +314,13 @@ async fn consumer(
                     Box::pin(async move {
                         let id = payment(&msg)?;
                         let q = format!(
-                            "INSERT INTO {table} (payment, token, instance, kind) VALUES ($1, $2, $3, 'tx')"
+                            "INSERT INTO {table} (payment, token, instance, kind) VALUES ($1, $2, $3, $4)"
                         );
                         sqlx::query(sqlx::AssertSqlSafe(q))
                             .bind(&id)
                             .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
                             .bind(instance)
+                            .bind(format!("{:?}", lease.kind))
                             .execute(&mut **tx)
                             .await?;
                         Ok(bytes::Bytes::from(format!("paid {id}")))
@@ -343,16 +347,16 @@ async fn consumer(
                     let (table, pool) = (table.clone(), pool.clone());
                     async move {
                         let id = payment(&msg)?;
-                        let token = ctx
-                            .ok_or_else(|| idem_core::HandlerError::permanent("no lease"))?
-                            .token();
+                        let ctx =
+                            ctx.ok_or_else(|| idem_core::HandlerError::permanent("no lease"))?;
                         let q = format!(
-                            "INSERT INTO {table} (payment, token, instance, kind) VALUES ($1, $2, $3, 'lease')"
+                            "INSERT INTO {table} (payment, token, instance, kind) VALUES ($1, $2, $3, $4)"
                         );
                         sqlx::query(sqlx::AssertSqlSafe(q))
                             .bind(&id)
-                            .bind(i64::try_from(token).unwrap_or(i64::MAX))
+                            .bind(i64::try_from(ctx.token()).unwrap_or(i64::MAX))
                             .bind(instance)
+                            .bind(format!("{:?}", ctx.kind()))
                             .execute(&pool)
                             .await
                             .map_err(|e| idem_core::HandlerError::retry(format!("ledger: {e}")))?;
@@ -363,12 +367,6 @@ async fn consumer(
                 .expect("consumer")
         }
     }
-}
-
-fn payment(msg: &idem_kafka::Message) -> Result<String, idem_core::HandlerError> {
-    msg.key()
-        .map(|k| k.id().to_owned())
-        .ok_or_else(|| idem_core::HandlerError::permanent("no key"))
 }
 
 /// How many distinct payments the ledger holds.
@@ -390,38 +388,4 @@ async fn wait_applied(ledger_db: &PgBackend, ledger: &str, n: usize) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// Every payment applied; in lease mode a double only under a higher token.
-async fn check(mode: Mode, ledger_db: &PgBackend, ledger: &str, figures: &mut Figures) {
-    let q = format!("SELECT payment, token FROM {ledger}");
-    let rows: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(q))
-        .fetch_all(ledger_db.pool())
-        .await
-        .expect("read ledger");
-    let mut by_payment: HashMap<String, Vec<i64>> = HashMap::new();
-    for (payment, token) in rows {
-        by_payment.entry(payment).or_default().push(token);
-    }
-    for i in 0..figures.payments {
-        let id = format!("pay-{i}");
-        let tokens = by_payment.get(&id).unwrap_or_else(|| panic!("{id} lost"));
-        figures.effects += tokens.len();
-        figures.doubles += tokens.len() - 1;
-        if mode == Mode::Lease {
-            let mut sorted = tokens.clone();
-            sorted.sort_unstable();
-            sorted.dedup();
-            assert_eq!(
-                sorted.len(),
-                tokens.len(),
-                "{id}: two effects under one token"
-            );
-        }
-    }
-    assert_eq!(
-        by_payment.len(),
-        figures.payments,
-        "no payment outside the run"
-    );
 }

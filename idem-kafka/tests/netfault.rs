@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::ledger::{self, payment};
 use common::proxy::{self, Proxy};
 use common::{Out, Recorder};
 use futures::FutureExt;
@@ -190,13 +191,6 @@ impl Drop for Entered {
     }
 }
 
-/// The payment id of a message.
-fn payment(msg: &Message) -> Result<String, HandlerError> {
-    msg.key()
-        .map(|k| k.id().to_owned())
-        .ok_or_else(|| HandlerError::permanent("no payment id"))
-}
-
 fn is_slow(id: &str) -> bool {
     id.strip_prefix("pay-")
         .and_then(|n| n.parse::<usize>().ok())
@@ -257,11 +251,6 @@ async fn scenario(mode: Mode, in_flight: usize) {
         Mode::Transactional => "IDEM_POSTGRES_URL",
     });
     let (direct, ledger) = common::postgres().await;
-    let q = format!("ALTER TABLE {ledger} ADD COLUMN seq bigserial");
-    sqlx::query(sqlx::AssertSqlSafe(q))
-        .execute(direct.pool())
-        .await
-        .expect("ledger order column");
     common::install_metrics();
     common::log_from_env();
     let topic = common::unique("netfault");
@@ -359,7 +348,10 @@ async fn scenario(mode: Mode, in_flight: usize) {
         let want: BTreeMap<i32, i64> = (0..PARTITIONS).zip(ends.iter().copied()).collect();
         assert_eq!(stored, want, "{label}: offsets stored in PostgreSQL");
     }
-    check(mode, &direct, &ledger, &label, &mut figures).await;
+    let exactly_once = mode == Mode::Transactional;
+    let tally = ledger::check(direct.pool(), &ledger, PAYMENTS, exactly_once, &label).await;
+    (figures.effects, figures.doubles) = (tally.effects, tally.doubles);
+    figures.takeovers = tally.takeovers;
     figures.seconds = started.elapsed().as_secs_f64();
     let recovered: Vec<String> = figures
         .recovered
@@ -524,52 +516,4 @@ async fn committed(brokers: &str, group: &str, topic: &str) -> Vec<i64> {
     tokio::task::spawn_blocking(move || common::committed(&b, &g, &t, PARTITIONS))
         .await
         .expect("committed offsets")
-}
-
-/// The ledger: every payment applied; in transactional mode once; in lease mode each
-/// later effect of a payment (in the order written) under a higher token than the one
-/// before, from a takeover.
-async fn check(mode: Mode, direct: &PgBackend, ledger: &str, label: &str, figures: &mut Figures) {
-    let q = format!("SELECT payment, token, kind FROM {ledger} ORDER BY seq");
-    let rows: Vec<(String, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(q))
-        .fetch_all(direct.pool())
-        .await
-        .expect("read the ledger");
-    let mut by_id: HashMap<String, Vec<(i64, String)>> = HashMap::new();
-    for (id, token, kind) in rows {
-        by_id.entry(id).or_default().push((token, kind));
-    }
-    let lost: Vec<String> = (0..PAYMENTS)
-        .map(|i| format!("pay-{i}"))
-        .filter(|id| !by_id.contains_key(id))
-        .collect();
-    assert!(lost.is_empty(), "{label}: payments lost: {lost:?}");
-    assert_eq!(
-        by_id.len(),
-        PAYMENTS,
-        "{label}: no payment outside the plan"
-    );
-    for (id, effects) in &by_id {
-        figures.effects += effects.len();
-        figures.doubles += effects.len() - 1;
-        figures.takeovers += effects.iter().filter(|e| e.1 == "Takeover").count();
-        if mode == Mode::Transactional {
-            assert_eq!(
-                effects.len(),
-                1,
-                "{label}: {id} applied more than once: {effects:?}"
-            );
-        }
-        if effects.len() > 1 {
-            eprintln!("netfault ({label}): {id} applied under (token, kind) {effects:?}");
-        }
-        for pair in effects.windows(2) {
-            let ((earlier, _), (later, kind)) = (&pair[0], &pair[1]);
-            assert!(
-                later > earlier && kind == "Takeover",
-                "{label}: {id}: a double effect without a takeover under a higher token: \
-                 {effects:?}"
-            );
-        }
-    }
 }

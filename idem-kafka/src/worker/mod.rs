@@ -466,7 +466,7 @@ impl Worker {
         };
         let len = left.len().min(fits.max(floor).max(1));
         match settings.mode {
-            Mode::Lease(_) => len.min(settings.max_unsettled.max(1)),
+            Mode::Lease(_) => len.min(settings.max_unsettled),
             Mode::Transactional(_) => len,
         }
     }

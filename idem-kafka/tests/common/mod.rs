@@ -1,6 +1,7 @@
 //! Helpers shared by the loop tests (MockCluster) and the crash test (tansu).
 #![allow(dead_code)]
 
+pub mod ledger;
 pub mod proxy;
 pub mod wire;
 
@@ -486,7 +487,8 @@ pub fn log_from_env() {
 }
 
 /// A migrated PostgreSQL backend in a schema of its own, with a `ledger` table of
-/// (payment, token, instance) rows and no uniqueness, so a double effect would show.
+/// (payment, token, instance, kind) rows in the order written (`seq`) and no uniqueness,
+/// so a double effect would show.
 pub async fn postgres() -> (idem_postgres::PgBackend, String) {
     let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
     let schema = format!("kafkatest_{}_{}", std::process::id(), fastrand::u32(..));
@@ -500,7 +502,7 @@ pub async fn postgres() -> (idem_postgres::PgBackend, String) {
     let ledger = format!("\"{schema}\".ledger");
     let create = format!(
         "CREATE TABLE {ledger} (payment text NOT NULL, token bigint NOT NULL, \
-         instance int NOT NULL, kind text NOT NULL DEFAULT '')"
+         instance int NOT NULL, kind text NOT NULL DEFAULT '', seq bigserial)"
     );
     sqlx::query(sqlx::AssertSqlSafe(create))
         .execute(backend.pool())
