@@ -171,7 +171,7 @@ macro_rules! with_pool {
 impl Ledger {
     /// Creates the ledger; also answers its server's URL.
     async fn create(sql: Sql) -> (Ledger, String) {
-        let (ledger, url) = match sql {
+        match sql {
             Sql::Postgres => {
                 let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
                 (Ledger::Postgres(common::postgres().await.0), url)
@@ -186,20 +186,14 @@ impl Ledger {
                 let ledger = Ledger::Mysql(my);
                 let create = format!(
                     "CREATE TABLE {} (payment VARCHAR(64) NOT NULL, token BIGINT NOT NULL, \
-                     instance INT NOT NULL, kind VARCHAR(16) NOT NULL) ENGINE = InnoDB",
+                     instance INT NOT NULL, kind VARCHAR(16) NOT NULL, \
+                     seq BIGINT AUTO_INCREMENT PRIMARY KEY) ENGINE = InnoDB",
                     ledger.table()
                 );
                 ledger.execute(create).await.expect("create the ledger");
                 (ledger, url)
             }
-        };
-        let seq = match ledger {
-            Ledger::Postgres(_) => "bigserial",
-            Ledger::Mysql(_) => "BIGINT AUTO_INCREMENT PRIMARY KEY",
-        };
-        let q = format!("ALTER TABLE {} ADD COLUMN seq {seq}", ledger.table());
-        ledger.execute(q).await.expect("ledger order column");
-        (ledger, url)
+        }
     }
 
     fn schema(&self) -> &str {
