@@ -79,6 +79,7 @@ impl IdemConsumer {
             crash: Crash::new(settings.probe.clone()),
             letters,
             permits,
+            running: Default::default(),
             settings: Arc::new(settings),
         });
         let shared = Arc::new(Shared {

@@ -32,13 +32,14 @@ impl Slot {
     }
 
     /// Moves a handler that is still running to a task of its own: it runs to its end, but
-    /// nothing stores its result and no heartbeat extends its lease.
-    /// Called on the worker's runtime.
-    pub fn detach(&self, span: tracing::Span) {
+    /// nothing stores its result and no heartbeat extends its lease. `keep` (its key's
+    /// running mark) is dropped when it ends. Called on the worker's runtime.
+    pub fn detach(&self, span: tracing::Span, keep: impl Send + 'static) {
         if let Some(fut) = self.lock().take() {
             tokio::spawn(
                 async move {
                     let _ = fut.await;
+                    drop(keep);
                     tracing::warn!(
                         "handler finished after its partition was given up; its result is dropped"
                     );

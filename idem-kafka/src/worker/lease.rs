@@ -140,6 +140,14 @@ impl Worker {
                 kind: FailureKind::Permanent,
             }));
         };
+        // A key runs in one handler of this process at a time, whatever the store says: a
+        // lease taken over from a handler still running here is handed back unused.
+        let key = item.msg.key();
+        let Some(runs) = key.and_then(|key| self.ctx.running.start(key)) else {
+            tracing::warn!(parent: &item.span, "the key runs in another handler here: not started");
+            self.release(lease).await;
+            return Ok(Ran::Fenced);
+        };
         let mut slot = None;
         let start = |ctx: Context| {
             let running = Slot::new(handler(item.msg.clone(), Some(ctx)));
@@ -152,10 +160,7 @@ impl Worker {
             Err(flow) => {
                 // Stopped before the handler started: hand the lease back.
                 if flow == Flow::Stop {
-                    let _ = self
-                        .engine
-                        .settle_batch(&[Settlement::release(lease.clone())])
-                        .await;
+                    self.release(lease).await;
                 }
                 return Err(flow);
             }
@@ -166,10 +171,20 @@ impl Worker {
             let run = std::pin::pin!(run.instrument(item.span.clone()));
             self.guarded(run).await
         };
-        if let (Err(Flow::Stop), Some(slot)) = (&result, &slot) {
-            slot.detach(item.span.clone());
+        match (&result, &slot) {
+            // Still running, the key stays marked until the handler ends.
+            (Err(Flow::Stop), Some(slot)) => slot.detach(item.span.clone(), runs),
+            _ => drop(runs),
         }
         result
+    }
+
+    /// Hands `lease` back unused (a failure is only logged: the lease then lapses).
+    async fn release(&self, lease: &Lease) {
+        let release = [Settlement::release(lease.clone())];
+        if let Err(e) = self.engine.settle_batch(&release).await {
+            self.store_error(&e);
+        }
     }
 
     /// Settles the handlers that ran since the last settle, in one store call, retrying

@@ -20,15 +20,18 @@
 mod lanes;
 mod lease;
 mod resolve;
+mod running;
 mod transactional;
+
+pub(crate) use running::Running;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use idem_core::Engine;
 use idem_core::backend::{Claim, ClaimOutcome, OffsetPosition};
+use idem_core::{Engine, Timestamp};
 use tokio::sync::Semaphore;
 use tracing::Span;
 
@@ -58,6 +61,8 @@ pub(crate) struct Ctx {
     pub letters: Writer,
     /// Partitions that may work at once (`partition_concurrency`).
     pub permits: Option<Arc<Semaphore>>,
+    /// The keys whose handler runs in this consumer now.
+    pub running: Arc<Running>,
 }
 
 /// What the rest of a partition's work should do.
@@ -269,9 +274,23 @@ impl Worker {
     }
 
     /// Claims the keyed messages of `chunk` in one store call, retrying while the store
-    /// fails. The answers line up with the chunk (`None` for a message without a claim).
+    /// fails. The answers line up with the chunk (`None` for a message without a claim). A
+    /// key whose handler runs in this consumer now is not claimed: it is answered
+    /// [`Worker::running_here`].
     async fn claim_chunk(&self, chunk: &[Item]) -> Result<Vec<Option<ClaimOutcome>>, Flow> {
-        let claims: Vec<Claim> = chunk.iter().filter_map(|i| self.claim_of(i)).collect();
+        fn keyed(item: &Item) -> Option<&idem_core::Key> {
+            match item.kind {
+                Kind::Keyed(..) => item.msg.key(),
+                _ => None,
+            }
+        }
+        let busy = self.ctx.running.which(chunk.iter().map(keyed));
+        let claims: Vec<Claim> = chunk
+            .iter()
+            .zip(&busy)
+            .filter(|(_, busy)| !**busy)
+            .filter_map(|(i, _)| self.claim_of(i))
+            .collect();
         let mut answers = if claims.is_empty() {
             Vec::new()
         } else {
@@ -281,11 +300,25 @@ impl Worker {
         .into_iter();
         Ok(chunk
             .iter()
-            .map(|item| match item.kind {
+            .zip(busy)
+            .map(|(item, busy)| match item.kind {
+                Kind::Keyed(..) if busy => {
+                    let (owner, lease_until) = self.running_here();
+                    Some(ClaimOutcome::InProgress { owner, lease_until })
+                }
                 Kind::Keyed(..) => answers.next(),
                 _ => None,
             })
             .collect())
+    }
+
+    /// The answer for a key whose handler runs in this consumer now, instead of a claim:
+    /// in progress (owner, lease end) under this owner, so the message waits for it like
+    /// for a key in progress elsewhere (a claim could take over a lease that lapsed while
+    /// that handler ran, and start a second handler of the key beside it).
+    fn running_here(&self) -> (Arc<str>, Timestamp) {
+        let lease_until = Timestamp::now().saturating_add(self.engine.lease_ttl());
+        (Arc::from(self.engine.owner()), lease_until)
     }
 
     /// Marks the messages of `range` settled, in order; says whether a probe crashed.

@@ -114,7 +114,15 @@ impl Worker {
                 "a keyless message has no claim",
             )));
         };
+        let running_here = || {
+            let (owner, lease_until) = self.running_here();
+            Ok(Ok(Outcome::InProgress { owner, lease_until }))
+        };
         if let Mode::Transactional(tx) = &self.settings().mode {
+            // The transaction is the handler's run: its key is marked running throughout.
+            let Some(_runs) = self.ctx.running.start(&claim.key) else {
+                return running_here();
+            };
             let offset = item.msg.offset();
             if self.probe(Point::BeforeClaim, offset) {
                 return Err(Flow::Crashed);
@@ -133,6 +141,9 @@ impl Worker {
             );
             // Given up or crashed, the transaction is dropped: it rolls back.
             return self.guarded(run.instrument(item.span.clone())).await;
+        }
+        if self.ctx.running.contains(&claim.key) {
+            return running_here();
         }
         let claims = std::slice::from_ref(&claim);
         let mut answers = self
@@ -177,7 +188,7 @@ impl Worker {
             let error = match self.guarded(run.instrument(span.clone())).await {
                 Err(flow) => {
                     if flow == Flow::Stop {
-                        slot.detach(span.clone());
+                        slot.detach(span.clone(), ());
                     }
                     return flow;
                 }

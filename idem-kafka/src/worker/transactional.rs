@@ -23,9 +23,18 @@ impl Worker {
         };
         let mut start = 0;
         while start < chunk.len() {
+            // The run's keys are marked running for its transaction; a key running here
+            // already (in another partition's handler, or earlier in this run) ends the run,
+            // and is resolved on its own after it.
+            let mut runs = Vec::new();
             let keyed = chunk[start..]
                 .iter()
-                .take_while(|item| matches!(item.kind, Kind::Keyed(..)))
+                .take_while(|item| match (&item.kind, item.msg.key()) {
+                    (Kind::Keyed(..), Some(key)) => {
+                        self.ctx.running.start(key).map(|r| runs.push(r)).is_some()
+                    }
+                    _ => false,
+                })
                 .count();
             if keyed == 0 {
                 let flow = self.one_by_one(&chunk[start..=start]).await;
@@ -71,7 +80,7 @@ impl Worker {
                     vec![None; run.len()]
                 }
             };
-            drop(permit);
+            drop((permit, runs));
             // Settled in the batch but after a message it left unsettled: its offset was
             // not stored with it, so it is stored on its own once that one is resolved.
             let prefix = outcomes.iter().take_while(|o| settled(o)).count();
