@@ -1,6 +1,7 @@
 //! Key-ordered concurrency within a partition (`in_flight` above one), on librdkafka's
 //! MockCluster with the in-memory store: per-key order, every offset settled once, and
-//! offsets stored only over the settled prefix.
+//! offsets stored only over the settled prefix. And across partitions: a key never runs in
+//! two handlers of one process at once.
 
 mod common;
 
@@ -11,7 +12,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Out, builder, committed, engine, mock_topic, produce, unique};
-use idem_core::{Backend, MemoryBackend, State};
+use idem_core::layer::{BackendExt, Chaos};
+use idem_core::{Backend, Key, MemoryBackend, State};
 use idem_kafka::{OrderBy, Point, Probe, Verdict};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -379,4 +381,82 @@ async fn slow_handlers_still_run_in_flight_at_once() {
     );
     let violations = watch.violations.lock().expect("lock").clone();
     assert!(violations.is_empty(), "{violations:?}");
+}
+
+/// A payment sent to two partitions that one consumer holds. The first copy's handler runs
+/// while the store refuses every call, so no heartbeat lands and its lease lapses; then
+/// the store answers again. The second copy must wait for the running handler rather than
+/// take the lapsed lease over and start a second handler of the key beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_on_two_partitions_never_runs_in_two_handlers_at_once() {
+    /// How long the first handler waits for a second one to start beside it.
+    const GRACE: Duration = Duration::from_secs(2);
+    let topic = unique("twoparts");
+    let (_cluster, brokers) = mock_topic(&topic, 2);
+    let raw = MemoryBackend::new();
+    let chaos = Chaos::new();
+    let backend: Arc<dyn Backend> = Arc::new(raw.clone().layer(chaos.clone()));
+    let runs = Arc::new(Runs::default());
+    let effects = common::Effects::new();
+    let started = Arc::new(AtomicUsize::new(0));
+    let (first_key, first_started) = tokio::sync::oneshot::channel::<Key>();
+    let first_key = Arc::new(Mutex::new(Some(first_key)));
+    let second = Arc::new(Notify::new());
+    let handler = {
+        let (runs, effects, started, second) =
+            (runs.clone(), effects.clone(), started, second.clone());
+        move |msg: idem_kafka::Message, _| {
+            let (runs, effects, started) = (runs.clone(), effects.clone(), started.clone());
+            let (first_key, second) = (first_key.clone(), second.clone());
+            async move {
+                let key = msg.key().expect("keyed").clone();
+                runs.start(key.id(), msg.offset());
+                if started.fetch_add(1, Ordering::SeqCst) == 0 {
+                    if let Some(tx) = first_key.lock().expect("lock").take() {
+                        let _ = tx.send(key.clone());
+                    }
+                    // Ends early if a second handler of the key starts beside this one.
+                    let _ = tokio::time::timeout(GRACE, second.notified()).await;
+                } else {
+                    second.notify_one();
+                }
+                runs.end(key.id());
+                Ok::<_, idem_core::HandlerError>(effects.apply(key.id()))
+            }
+        }
+    };
+    let recorder = common::Recorder::new();
+    let consumer = builder(&brokers, &topic, &unique("g"))
+        .engine(engine(backend, "w1", Duration::from_millis(600)))
+        .handler(handler);
+    let running = common::start(consumer, &recorder);
+
+    produce(&brokers, &topic, &[Out::keyed(0, "pay-1", "x")]).await;
+    let key = tokio::time::timeout(WAIT, first_started)
+        .await
+        .expect("the first copy's handler starts")
+        .expect("its key");
+    // No heartbeat lands from here on; the copy on partition 1 arrives meanwhile.
+    let _ = chaos.clone().with_refused(1.0);
+    produce(&brokers, &topic, &[Out::keyed(1, "pay-1", "x")]).await;
+    let record = raw
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("the claim's record");
+    let lease_until = record.lease_until.expect("a lease").to_system_time();
+    let left = lease_until
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    tokio::time::sleep(left + Duration::from_millis(100)).await;
+    let _ = chaos.clone().with_refused(0.0);
+
+    recorder.wait_settled(2, WAIT).await;
+    running.stop().await;
+    let overlaps = runs.overlaps.lock().expect("lock").clone();
+    assert!(
+        overlaps.is_empty(),
+        "two handlers of one key at once: {overlaps:?}"
+    );
+    assert_eq!(effects.runs("pay-1"), 1, "the payment's effect ran once");
 }
