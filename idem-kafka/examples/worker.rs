@@ -17,9 +17,15 @@
 //!   `ConsumerBuilder::max_unsettled`: at most `n` effects per partition run without
 //!   being settled, so a kill repeats at most `n` per partition it held.
 //!
-//! It prints `settled partition=<p> offset=<o>` for each message it settles and
-//! `stopped settled=<n>` after a clean stop; on bad input it prints `worker: error: ...` to
-//! stderr and exits with status 2.
+//! `--in-flight <n>` sets `ConsumerBuilder::in_flight`; `--assignment <strategy>` sets
+//! librdkafka's `partition.assignment.strategy` (`range`, the default, `roundrobin`, or
+//! `cooperative-sticky`).
+//!
+//! It logs to stderr when `RUST_LOG` is set, and prints `settled partition=<p> offset=<o>`
+//! for each message it settles,
+//! `overlap payment=<id>` if a handler starts while another handler of the same payment
+//! runs in this process, and `stopped settled=<n>` after a clean stop; on bad input it
+//! prints `worker: error: ...` to stderr and exits with status 2.
 //!
 //! ```sh
 //! cargo run -p idem-kafka --example worker -- --mode lease --brokers 127.0.0.1:19092 \
@@ -31,10 +37,10 @@
 //!   --store mysql://root@127.0.0.1:3306/test --ledger unused --schema ledger_1
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, Write};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -49,7 +55,11 @@ use idem_redis::{RedisBackend, RedisConfig};
 const USAGE: &str = "usage: worker --mode transactional|lease --brokers <b> --topic <t> \
      --group <g> --store <postgres|mysql|redis|dynamodb http url> --ledger <postgres url> \
      --schema <schema> [--instance <n>] [--lease-ms <ms>] [--work-ms <ms>] \
-     [--max-unsettled <n>]";
+     [--max-unsettled <n>] [--in-flight <n>] [--assignment <strategy>]";
+
+/// Connections per pool: the tests run up to five SIGKILL scenarios at once, each with a
+/// few workers, against one PostgreSQL that takes 100 connections.
+const POOL: u32 = 4;
 
 /// The DynamoDB table of lease mode (keys are namespaced by the group).
 const DYNAMO_TABLE: &str = "idem_sigkill";
@@ -68,6 +78,9 @@ struct Args {
     work: Duration,
     /// `ConsumerBuilder::max_unsettled`, if given.
     max_unsettled: Option<usize>,
+    in_flight: usize,
+    /// `partition.assignment.strategy`.
+    assignment: String,
 }
 
 impl Args {
@@ -97,6 +110,8 @@ impl Args {
                 .contains_key("max-unsettled")
                 .then(|| number(f, "max-unsettled", 0))
                 .transpose()?,
+            in_flight: number(f, "in-flight", 1)?,
+            assignment: f.remove("assignment").unwrap_or("range").to_owned(),
         };
         if let Some(name) = flags.keys().next() {
             return Err(format!("unknown flag --{name}"));
@@ -147,6 +162,37 @@ impl Probe for Settles {
     }
 }
 
+/// The payments whose handler runs now; a second handler of one of them says `overlap`.
+#[derive(Clone, Default)]
+struct Running(Arc<Mutex<HashSet<String>>>);
+
+/// A payment marked running until dropped.
+struct Runs(Running, String);
+
+impl Running {
+    fn enter(&self, id: &str) -> Runs {
+        let fresh = self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned());
+        if !fresh {
+            let _ = writeln!(std::io::stdout().lock(), "overlap payment={id}");
+        }
+        Runs(self.clone(), id.to_owned())
+    }
+}
+
+impl Drop for Runs {
+    fn drop(&mut self) {
+        self.0
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.1);
+    }
+}
+
 /// The payment id of a message, from its idempotency key.
 fn payment(msg: &Message) -> Result<String, HandlerError> {
     msg.key()
@@ -177,13 +223,15 @@ async fn run(args: Args) -> Result<u64, String> {
         .set("auto.offset.reset", "earliest")
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
-        .set("topic.metadata.refresh.interval.ms", "500");
+        .set("topic.metadata.refresh.interval.ms", "500")
+        .set("partition.assignment.strategy", &args.assignment);
     let stop = stop_on_stdin();
     let settles = Arc::new(Settles::default());
     let builder = IdemConsumer::builder(config)
         .topics([args.topic.as_str()])
         .group(args.group.as_str())
         .batch_size(50)
+        .in_flight(args.in_flight)
         .commit_interval(Duration::from_millis(200))
         .revoke_timeout(Duration::from_secs(5))
         .retry_backoff(Duration::from_millis(20), Duration::from_millis(500))
@@ -223,15 +271,17 @@ fn engine(backend: Arc<dyn idem_core::Backend>, args: &Args) -> Result<Engine, S
 /// transaction.
 async fn transactional(builder: ConsumerBuilder, args: &Args) -> Result<IdemConsumer, String> {
     let (instance, work) = (args.instance, args.work);
+    let running = Running::default();
     // The handler: the same code for both stores, but for the statement's placeholders and
     // the type of the transaction it writes through.
     macro_rules! write_ledger {
         ($insert:expr) => {{
             let insert: String = $insert;
             move |msg: Message, tx, lease: idem_core::Lease| {
-                let insert = insert.clone();
+                let (insert, running) = (insert.clone(), running.clone());
                 async move {
                     let id = payment(&msg)?;
+                    let _runs = running.enter(&id);
                     tokio::time::sleep(work).await;
                     sqlx::query(sqlx::AssertSqlSafe(insert))
                         .bind(&id)
@@ -254,7 +304,7 @@ async fn transactional(builder: ConsumerBuilder, args: &Args) -> Result<IdemCons
     {
         let config = MySqlConfig::new(args.store.as_str())
             .with_schema(schema)
-            .with_max_connections(8);
+            .with_max_connections(POOL);
         let my = MySqlBackend::connect(config)
             .await
             .map_err(|e| format!("--store: {e}"))?;
@@ -265,7 +315,7 @@ async fn transactional(builder: ConsumerBuilder, args: &Args) -> Result<IdemCons
     } else {
         let config = PgConfig::new(args.store.as_str())
             .with_schema(schema)
-            .with_max_connections(8);
+            .with_max_connections(POOL);
         let pg = PgBackend::connect(config)
             .await
             .map_err(|e| format!("--store: {e}"))?;
@@ -289,12 +339,12 @@ async fn lease_store(args: &Args) -> Result<Arc<dyn idem_core::Backend>, String>
     } else if url.starts_with("postgres") {
         let config = PgConfig::new(url)
             .with_schema(schema)
-            .with_max_connections(8);
+            .with_max_connections(POOL);
         Arc::new(PgBackend::connect(config).await.map_err(store)?)
     } else if url.starts_with("mysql") || url.starts_with("mariadb") {
         let config = MySqlConfig::new(url)
             .with_schema(schema)
-            .with_max_connections(8);
+            .with_max_connections(POOL);
         Arc::new(MySqlBackend::connect(config).await.map_err(store)?)
     } else if url.starts_with("http") {
         // Every worker runs on this machine's clock: a small skew margin.
@@ -317,18 +367,20 @@ async fn lease(
 ) -> Result<IdemConsumer, String> {
     let backend = lease_store(args).await?;
     let ledger = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(8)
+        .max_connections(POOL)
         .acquire_timeout(Duration::from_secs(5))
         .connect(&args.ledger)
         .await
         .map_err(|e| format!("--ledger: {e}"))?;
     let (instance, work) = (args.instance, args.work);
+    let running = Running::default();
     builder
         .engine(engine(backend, args)?)
         .handler(move |msg, ctx| {
-            let (insert, ledger) = (insert.clone(), ledger.clone());
+            let (insert, ledger, running) = (insert.clone(), ledger.clone(), running.clone());
             async move {
                 let id = payment(&msg)?;
+                let _runs = running.enter(&id);
                 let ctx = ctx.ok_or_else(|| HandlerError::permanent("no lease"))?;
                 tokio::time::sleep(work).await;
                 sqlx::query(sqlx::AssertSqlSafe(insert))
@@ -348,6 +400,13 @@ async fn lease(
 
 #[tokio::main]
 async fn main() {
+    // Logs to stderr (the test's worker log) when `RUST_LOG` is set.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let raw: Vec<String> = std::env::args().skip(1).collect();
     let result = match Args::parse(&raw) {
         Ok(args) => run(args).await,
