@@ -14,16 +14,13 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::Out;
-use common::ledger::{self, payment};
-use idem_core::{Backend, Engine};
+use common::broker::Broker;
+use common::ledger::{self, Mode};
 use idem_kafka::IdemConsumer;
 use idem_postgres::PgBackend;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PARTITIONS: i32 = 4;
 /// Every fifth payment is sent twice.
@@ -46,14 +43,6 @@ async fn broker_killed_lease_redis() {
     assert!(figures.doubles <= figures.payments / 100, "{figures:?}");
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    /// PostgreSQL transactional mode: the ledger row in the handler's transaction.
-    Transactional,
-    /// Redis lease mode: the ledger row committed on its own before the handler returns.
-    Lease,
-}
-
 /// The size of a run: the short one in CI, the full one with `IDEM_FAULTS_FULL=1`.
 fn size() -> (usize, usize) {
     match std::env::var("IDEM_FAULTS_FULL").as_deref() {
@@ -73,106 +62,13 @@ struct Figures {
     seconds: f64,
 }
 
-/// A tansu broker of the test's own, on `port`, its log in `bucket`.
-struct Broker {
-    bin: String,
-    endpoint: String,
-    bucket: String,
-    port: u16,
-    child: Option<Child>,
-}
-
-impl Broker {
-    async fn start(bin: String, endpoint: String) -> Broker {
-        let bucket = common::unique("tansu").replace('_', "-").to_lowercase();
-        create_bucket(&endpoint, &bucket).await;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let mut broker = Broker {
-            bin,
-            endpoint,
-            bucket,
-            port,
-            child: None,
-        };
-        broker.spawn().await;
-        broker
-    }
-
-    fn address(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the broker on its bucket and waits until it accepts connections.
-    async fn spawn(&mut self) {
-        let url = format!("tcp://{}", self.address());
-        let child = Command::new(&self.bin)
-            .args(["broker", "--storage-engine"])
-            .arg(format!("s3://{}/", self.bucket))
-            .args(["--listener-url", &url, "--advertised-listener-url", &url])
-            .env("AWS_ENDPOINT", &self.endpoint)
-            .env("AWS_ALLOW_HTTP", "true")
-            .env("AWS_ACCESS_KEY_ID", "idem")
-            .env("AWS_SECRET_ACCESS_KEY", "idem")
-            .env("AWS_DEFAULT_REGION", "us-east-1")
-            .env("AWS_REGION", "us-east-1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start tansu (IDEM_TANSU_BIN)");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while tokio::net::TcpStream::connect(self.address())
-            .await
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "tansu did not listen");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// `kill -9`: no clean shutdown of any kind.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// Creates `bucket` with one unsigned `PUT` (moto does not check signatures).
-async fn create_bucket(endpoint: &str, bucket: &str) {
-    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
-    let mut conn = tokio::net::TcpStream::connect(host)
-        .await
-        .expect("connect to IDEM_S3_ENDPOINT");
-    let request = format!(
-        "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    );
-    conn.write_all(request.as_bytes()).await.expect("PUT");
-    let mut answer = String::new();
-    conn.read_to_string(&mut answer).await.expect("answer");
-    assert!(
-        answer.starts_with("HTTP/1.1 200"),
-        "create bucket: {answer}"
-    );
-}
-
 async fn scenario(mode: Mode) -> Figures {
     let bin = idem_conformance::service_env("IDEM_TANSU_BIN");
     let endpoint = idem_conformance::service_env("IDEM_S3_ENDPOINT");
     common::install_metrics();
     common::log_from_env();
     let (payments, kills) = size();
-    let mut broker = Broker::start(bin, endpoint).await;
+    let mut broker = Broker::on_s3(bin, endpoint).await;
     let brokers = broker.address();
     let topic = common::unique("broker_crash");
     common::create_topics(&brokers, &[(topic.as_str(), PARTITIONS)]).await;
@@ -183,13 +79,18 @@ async fn scenario(mode: Mode) -> Figures {
     let stop = tokio_util::sync::CancellationToken::new();
     let mut runs = Vec::new();
     for instance in 0..CONSUMERS {
-        let at = Place {
-            brokers: &brokers,
-            topic: &topic,
-            group: &group,
-        };
-        let consumer = consumer(mode, at, &ledger_db, &ledger, instance, stop.clone()).await;
-        runs.push(tokio::spawn(consumer.run()));
+        let stop = stop.clone();
+        let builder = IdemConsumer::builder(common::consumer_config(&brokers))
+            .topics([topic.as_str()])
+            .group(group.as_str())
+            .commit_interval(Duration::from_millis(200))
+            .shutdown(async move { stop.cancelled().await });
+        let no_hold = |_: &str| Duration::ZERO;
+        let builder = ledger::payer(
+            builder, mode, &group, &ledger_db, &ledger, instance, no_hold,
+        )
+        .await;
+        runs.push(tokio::spawn(builder.build().expect("consumer").run()));
     }
 
     let mut figures = Figures {
@@ -248,10 +149,7 @@ async fn scenario(mode: Mode) -> Figures {
     eprintln!(
         "| broker kill -9 ({} s down), {} | {} | {} | {} | {} | {} | {:.1} s |",
         DOWN.as_secs(),
-        match mode {
-            Mode::Transactional => "PostgreSQL transactional",
-            Mode::Lease => "Redis lease",
-        },
+        mode.label(),
         figures.payments,
         figures.kills,
         figures.effects,
@@ -276,97 +174,6 @@ fn messages(range: std::ops::Range<usize>) -> Vec<Out> {
         }
     }
     out
-}
-
-/// Where a consumer reads.
-#[derive(Clone, Copy)]
-struct Place<'a> {
-    brokers: &'a str,
-    topic: &'a str,
-    group: &'a str,
-}
-
-/// A consumer of the group applying payments to `ledger`, until `stop`.
-async fn consumer(
-    mode: Mode,
-    at: Place<'_>,
-    ledger_db: &PgBackend,
-    ledger: &str,
-    instance: u32,
-    stop: tokio_util::sync::CancellationToken,
-) -> IdemConsumer {
-    let mut config = common::consumer_config(at.brokers);
-    config.set("group.id", at.group);
-    let builder = IdemConsumer::builder(config)
-        .topics([at.topic])
-        .commit_interval(Duration::from_millis(200))
-        .shutdown(async move { stop.cancelled().await });
-    let group = at.group;
-    let table = ledger.to_owned();
-    let instance = i32::try_from(instance).expect("instance");
-    match mode {
-        Mode::Transactional => {
-            let engine = common::engine(Arc::new(ledger_db.clone()), "tx", Duration::from_secs(5));
-            builder
-                .engine(engine)
-                .transactional(ledger_db.clone(), move |msg, tx, lease| {
-                    let table = table.clone();
-                    Box::pin(async move {
-                        let id = payment(&msg)?;
-                        let q = format!(
-                            "INSERT INTO {table} (payment, token, instance, kind) VALUES ($1, $2, $3, $4)"
-                        );
-                        sqlx::query(sqlx::AssertSqlSafe(q))
-                            .bind(&id)
-                            .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
-                            .bind(instance)
-                            .bind(format!("{:?}", lease.kind))
-                            .execute(&mut **tx)
-                            .await?;
-                        Ok(bytes::Bytes::from(format!("paid {id}")))
-                    })
-                })
-                .build()
-                .expect("consumer")
-        }
-        Mode::Lease => {
-            let url = idem_conformance::service_env("IDEM_REDIS_URL");
-            let prefix = format!("idem-broker-crash:{group}:");
-            let redis = idem_redis::RedisBackend::connect(
-                idem_redis::RedisConfig::new(url).with_prefix(prefix),
-            )
-            .await
-            .expect("connect to IDEM_REDIS_URL");
-            let store: Arc<dyn Backend> = Arc::new(redis);
-            let engine: Engine =
-                common::engine(store, &format!("w{instance}"), Duration::from_secs(5));
-            let pool = ledger_db.pool().clone();
-            builder
-                .engine(engine)
-                .handler(move |msg, ctx| {
-                    let (table, pool) = (table.clone(), pool.clone());
-                    async move {
-                        let id = payment(&msg)?;
-                        let ctx =
-                            ctx.ok_or_else(|| idem_core::HandlerError::permanent("no lease"))?;
-                        let q = format!(
-                            "INSERT INTO {table} (payment, token, instance, kind) VALUES ($1, $2, $3, $4)"
-                        );
-                        sqlx::query(sqlx::AssertSqlSafe(q))
-                            .bind(&id)
-                            .bind(i64::try_from(ctx.token()).unwrap_or(i64::MAX))
-                            .bind(instance)
-                            .bind(format!("{:?}", ctx.kind()))
-                            .execute(&pool)
-                            .await
-                            .map_err(|e| idem_core::HandlerError::retry(format!("ledger: {e}")))?;
-                        Ok(bytes::Bytes::from(format!("paid {id}")))
-                    }
-                })
-                .build()
-                .expect("consumer")
-        }
-    }
 }
 
 /// How many distinct payments the ledger holds.

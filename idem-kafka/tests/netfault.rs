@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::ledger::{self, payment};
-use common::proxy::{self, Proxy};
+use common::proxy::{self, Faults, Proxy};
 use common::{Out, Recorder};
 use futures::FutureExt;
 use idem_core::{Backend, Context, Engine, HandlerError, Transactional};
@@ -42,11 +42,13 @@ const DUPLICATE_EVERY: usize = 5;
 const PARTITIONS: i32 = 4;
 const WAVES: usize = 4;
 const LEASE: Duration = Duration::from_secs(2);
-/// Added to each chunk each way: a round trip of 1.6 s, past the heartbeat (a third of the
-/// lease) and within the Redis client's 2 s timeout.
-const LATENCY: Duration = Duration::from_millis(800);
-const LATENCY_FOR: Duration = Duration::from_secs(3);
-const BLACKHOLE_FOR: Duration = Duration::from_secs(5);
+/// 800 ms added to each chunk each way (a round trip of 1.6 s, past the heartbeat, a third
+/// of the lease, and within the Redis client's 2 s timeout) for 3 s; a 5 s blackhole.
+const FAULTS: Faults = Faults {
+    latency: Duration::from_millis(800),
+    latency_for: Duration::from_secs(3),
+    blackhole_for: Duration::from_secs(5),
+};
 /// Every fiftieth payment's handler holds its lease 1 s after its effect, so that
 /// heartbeats are in flight when faults hit.
 const SLOW_EVERY: usize = 50;
@@ -197,29 +199,6 @@ fn is_slow(id: &str) -> bool {
         .is_some_and(|n| n % SLOW_EVERY == 0)
 }
 
-/// The payments in the order sent: each on partition `i % 4`, every fifth sent twice, the
-/// copy on another partition, anywhere in the stream.
-fn payments() -> Vec<Out> {
-    let out = |id: &str, partition: usize| Out {
-        partition: Some(i32::try_from(partition).expect("partition")),
-        key: Some(id.as_bytes().to_vec()),
-        payload: format!(r#"{{"id":"{id}"}}"#).into_bytes(),
-        headers: vec![("idempotency-key".into(), id.as_bytes().to_vec())],
-    };
-    let parts = PARTITIONS as usize;
-    let mut outs: Vec<Out> = (0..PAYMENTS)
-        .map(|i| out(&format!("pay-{i}"), i % parts))
-        .collect();
-    for i in (0..PAYMENTS).step_by(DUPLICATE_EVERY) {
-        let other = (i + fastrand::usize(1..parts)) % parts;
-        outs.insert(
-            fastrand::usize(..=outs.len()),
-            out(&format!("pay-{i}"), other),
-        );
-    }
-    outs
-}
-
 /// What a run saw, printed in one line.
 #[derive(Debug, Default)]
 struct Figures {
@@ -285,7 +264,7 @@ async fn scenario(mode: Mode, in_flight: usize) {
 
     let recorder = Recorder::new();
     let consumer = common::start(builder, &recorder);
-    let outs = payments();
+    let outs = ledger::payments(PAYMENTS, DUPLICATE_EVERY, PARTITIONS);
     let waves: Vec<&[Out]> = outs.chunks(outs.len().div_ceil(WAVES)).collect();
     let mut ends = vec![0i64; PARTITIONS as usize];
     let mut produced = 0;
@@ -299,7 +278,7 @@ async fn scenario(mode: Mode, in_flight: usize) {
         // The fault comes once the consumer has started on the wave.
         recorder.wait_settled(produced + 1, WAIT).await;
         produced += wave.len();
-        inject(n, &proxy, &mut figures).await;
+        figures.faults.extend(FAULTS.inject(n, &proxy).await);
         last_fault_end = Instant::now();
         recorder.wait_settled(produced, WAIT).await;
         if n > 0 {
@@ -466,37 +445,6 @@ async fn transactional_mode(
         .boxed()
     });
     (proxy, builder)
-}
-
-/// The fault that meets wave `n` (none for the first), described in `figures`; returns
-/// once it is over.
-async fn inject(n: usize, proxy: &Proxy, figures: &mut Figures) {
-    match n {
-        0 => {}
-        1 => {
-            proxy.latency(LATENCY);
-            tokio::time::sleep(LATENCY_FOR / 2).await;
-            let cut = proxy.reset();
-            tokio::time::sleep(LATENCY_FOR / 2).await;
-            proxy.latency(Duration::ZERO);
-            let (ms, s) = (LATENCY.as_millis(), LATENCY_FOR.as_secs());
-            figures.faults.push(format!("latency {ms} ms for {s} s"));
-            figures
-                .faults
-                .push(format!("reset under latency ({cut} cut)"));
-        }
-        2 => {
-            let cut = proxy.reset();
-            figures.faults.push(format!("reset ({cut} cut)"));
-        }
-        _ => {
-            proxy.blackhole(true);
-            tokio::time::sleep(BLACKHOLE_FOR).await;
-            proxy.blackhole(false);
-            let s = BLACKHOLE_FOR.as_secs();
-            figures.faults.push(format!("blackhole {s} s"));
-        }
-    }
 }
 
 /// An engine with the test's short lease; lapses spend attempts, so it allows ten.

@@ -1,16 +1,144 @@
 //! The ledger of the fault tests: one row per effect of a payment, in a table with no
-//! uniqueness (`super::postgres`), and the one check of what it holds.
+//! uniqueness (`super::postgres`), the payments, the consumers that apply them, and the one
+//! check of what the ledger holds.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
 
-use idem_core::HandlerError;
-use idem_kafka::Message;
+use idem_core::{Backend, HandlerError};
+use idem_kafka::{ConsumerBuilder, Message};
+use idem_postgres::PgBackend;
+
+use super::Out;
 
 /// The payment id of a message: its idempotency key's id.
 pub fn payment(msg: &Message) -> Result<String, HandlerError> {
     msg.key()
         .map(|k| k.id().to_owned())
         .ok_or_else(|| HandlerError::permanent("no payment id"))
+}
+
+/// `n` payments (`pay-0` …) in the order sent: payment `i` on partition `i % partitions`,
+/// every `duplicate_every`th sent twice, the copy on another partition, anywhere in the
+/// stream.
+pub fn payments(n: usize, duplicate_every: usize, partitions: i32) -> Vec<Out> {
+    let out = |id: &str, partition: usize| Out {
+        partition: Some(i32::try_from(partition).expect("partition")),
+        key: Some(id.as_bytes().to_vec()),
+        payload: format!(r#"{{"id":"{id}"}}"#).into_bytes(),
+        headers: vec![("idempotency-key".into(), id.as_bytes().to_vec())],
+    };
+    let parts = usize::try_from(partitions).expect("partitions");
+    let mut outs: Vec<Out> = (0..n)
+        .map(|i| out(&format!("pay-{i}"), i % parts))
+        .collect();
+    for i in (0..n).step_by(duplicate_every) {
+        let other = (i + fastrand::usize(1..parts)) % parts;
+        outs.insert(
+            fastrand::usize(..=outs.len()),
+            out(&format!("pay-{i}"), other),
+        );
+    }
+    outs
+}
+
+/// How a fault test's consumers apply payments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// PostgreSQL transactional mode: the ledger row in the handler's transaction.
+    Transactional,
+    /// Redis lease mode (`IDEM_REDIS_URL`): the ledger row committed on its own before the
+    /// handler returns.
+    Lease,
+}
+
+impl Mode {
+    /// The store and mode, for a table row.
+    pub fn label(self) -> &'static str {
+        match self {
+            Mode::Transactional => "PostgreSQL transactional",
+            Mode::Lease => "Redis lease",
+        }
+    }
+}
+
+/// `builder`, a consumer of `group`, made to apply payments to `ledger` in `mode`: one row
+/// per effect with the lease's token and claim kind and `instance`. The store is
+/// `ledger_db` in transactional mode; in lease mode Redis, in keys the consumers of `group`
+/// share. Each handler holds its lease `hold(payment)` longer after its effect. Leases of
+/// 5 s, 3 attempts.
+pub async fn payer(
+    builder: ConsumerBuilder,
+    mode: Mode,
+    group: &str,
+    ledger_db: &PgBackend,
+    ledger: &str,
+    instance: u32,
+    hold: impl Fn(&str) -> Duration + Clone + Send + Sync + 'static,
+) -> ConsumerBuilder {
+    let insert =
+        format!("INSERT INTO {ledger} (payment, token, instance, kind) VALUES ($1, $2, $3, $4)");
+    let instance = i32::try_from(instance).expect("instance");
+    let lease = Duration::from_secs(5);
+    match mode {
+        Mode::Transactional => {
+            let engine = super::engine(Arc::new(ledger_db.clone()), "tx", lease);
+            builder
+                .engine(engine)
+                .transactional(ledger_db.clone(), move |msg, tx, lease| {
+                    let (insert, hold) = (insert.clone(), hold.clone());
+                    Box::pin(async move {
+                        let id = payment(&msg)?;
+                        sqlx::query(sqlx::AssertSqlSafe(insert))
+                            .bind(&id)
+                            .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+                            .bind(instance)
+                            .bind(format!("{:?}", lease.kind))
+                            .execute(&mut **tx)
+                            .await?;
+                        pause(hold(&id)).await;
+                        Ok(bytes::Bytes::from(format!("paid {id}")))
+                    })
+                })
+        }
+        Mode::Lease => {
+            let url = idem_conformance::service_env("IDEM_REDIS_URL");
+            let prefix = format!("idem-payer:{group}:");
+            let redis = idem_redis::RedisBackend::connect(
+                idem_redis::RedisConfig::new(url).with_prefix(prefix),
+            )
+            .await
+            .expect("connect to IDEM_REDIS_URL");
+            let store: Arc<dyn Backend> = Arc::new(redis);
+            let engine = super::engine(store, &format!("w{instance}"), lease);
+            let pool = ledger_db.pool().clone();
+            builder.engine(engine).handler(move |msg, ctx| {
+                let (insert, pool, hold) = (insert.clone(), pool.clone(), hold.clone());
+                async move {
+                    let id = payment(&msg)?;
+                    let ctx = ctx.ok_or_else(|| HandlerError::permanent("no lease"))?;
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(&id)
+                        .bind(i64::try_from(ctx.token()).unwrap_or(i64::MAX))
+                        .bind(instance)
+                        .bind(format!("{:?}", ctx.kind()))
+                        .execute(&pool)
+                        .await
+                        .map_err(|e| HandlerError::retry(format!("ledger: {e}")))?;
+                    pause(hold(&id)).await;
+                    Ok(bytes::Bytes::from(format!("paid {id}")))
+                }
+            })
+        }
+    }
+}
+
+/// Sleeps `d` unless it is zero.
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
 }
 
 /// What the ledger held.

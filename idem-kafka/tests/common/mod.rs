@@ -1,6 +1,7 @@
 //! Helpers shared by the loop tests (MockCluster) and the crash test (tansu).
 #![allow(dead_code)]
 
+pub mod broker;
 pub mod ledger;
 pub mod proxy;
 pub mod wire;
@@ -549,11 +550,12 @@ pub struct Running {
     task: tokio::task::JoinHandle<idem_kafka::Result<()>>,
 }
 
-/// Builds `builder` with `recorder` as its probe and a shutdown signal, and runs it.
-pub fn start(builder: idem_kafka::ConsumerBuilder, recorder: &Arc<Recorder>) -> Running {
+/// Builds `builder` with `probe` (a [`Recorder`], usually) and a shutdown signal, and runs
+/// it.
+pub fn start<P: Probe>(builder: idem_kafka::ConsumerBuilder, probe: &Arc<P>) -> Running {
     let stop = tokio_util::sync::CancellationToken::new();
     let consumer = builder
-        .probe(recorder.clone())
+        .probe(probe.clone())
         .shutdown(stop.clone().cancelled_owned())
         .build()
         .expect("consumer");

@@ -9,6 +9,8 @@
 //! - [`Proxy::blackhole`] stops all forwarding in either direction, closes included, until
 //!   it is turned off: connections are still accepted and stay open, calls stall silently,
 //!   and what was held back flows again afterwards.
+//!
+//! [`Faults`] is the schedule the tests inject with it, one fault per wave of messages.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -32,6 +34,8 @@ struct Switches {
     resets: watch::Sender<u64>,
     accepted: AtomicUsize,
     open: AtomicUsize,
+    /// Connections cut by resets.
+    cut: AtomicUsize,
 }
 
 /// A running proxy; dropping it stops accepting and cuts every connection.
@@ -53,6 +57,7 @@ impl Proxy {
             resets: watch::Sender::new(0),
             accepted: AtomicUsize::new(0),
             open: AtomicUsize::new(0),
+            cut: AtomicUsize::new(0),
         });
         let shared = switches.clone();
         let accept = tokio::spawn(async move {
@@ -83,7 +88,13 @@ impl Proxy {
     pub fn reset(&self) -> usize {
         let open = self.switches.open.load(Ordering::Relaxed);
         self.switches.resets.send_modify(|n| *n += 1);
+        self.switches.cut.fetch_add(open, Ordering::Relaxed);
         open
+    }
+
+    /// Connections cut by resets since the start.
+    pub fn cut(&self) -> usize {
+        self.switches.cut.load(Ordering::Relaxed)
     }
 
     /// Stops (`true`) or resumes (`false`) all forwarding.
@@ -99,6 +110,51 @@ impl Proxy {
     /// Connections open now.
     pub fn open(&self) -> usize {
         self.switches.open.load(Ordering::Relaxed)
+    }
+}
+
+/// The faults of the network-fault tests, one per wave of messages, in rounds of three:
+/// none for the first wave; then a latency window, `latency` added to each chunk each way
+/// for `latency_for`, with every connection reset halfway through it, when calls are in
+/// flight in both directions; then every connection reset again, without latency; then a
+/// blackhole for `blackhole_for`.
+pub struct Faults {
+    pub latency: Duration,
+    pub latency_for: Duration,
+    pub blackhole_for: Duration,
+}
+
+impl Faults {
+    /// Injects through `proxy` the fault that meets wave `n`; returns once it is over, with
+    /// what it did (resets with how many connections they cut).
+    pub async fn inject(&self, n: usize, proxy: &Proxy) -> Vec<String> {
+        if n == 0 {
+            return Vec::new();
+        }
+        match (n - 1) % 3 {
+            0 => {
+                proxy.latency(self.latency);
+                tokio::time::sleep(self.latency_for / 2).await;
+                let cut = proxy.reset();
+                tokio::time::sleep(self.latency_for / 2).await;
+                proxy.latency(Duration::ZERO);
+                let (ms, s) = (self.latency.as_millis(), self.latency_for.as_secs());
+                vec![
+                    format!("latency {ms} ms for {s} s"),
+                    format!("reset under latency ({cut} cut)"),
+                ]
+            }
+            1 => {
+                let cut = proxy.reset();
+                vec![format!("reset ({cut} cut)")]
+            }
+            _ => {
+                proxy.blackhole(true);
+                tokio::time::sleep(self.blackhole_for).await;
+                proxy.blackhole(false);
+                vec![format!("blackhole {} s", self.blackhole_for.as_secs())]
+            }
+        }
     }
 }
 
