@@ -173,7 +173,9 @@ impl Worker {
         };
         match (&result, &slot) {
             // Still running, the key stays marked until the handler ends.
-            (Err(Flow::Stop), Some(slot)) => slot.detach(item.span.clone(), runs),
+            (Err(Flow::Stop), Some(slot)) => {
+                slot.detach(item.span.clone(), runs.keep(&self.ctx.running));
+            }
             _ => drop(runs),
         }
         result

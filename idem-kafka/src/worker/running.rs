@@ -9,21 +9,55 @@
 //! only if no other handler of its key runs here, whatever its lease says.
 
 use std::collections::HashSet;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use idem_core::Key;
+
+/// Shards of the set, so that partitions on different threads seldom share a lock.
+const SHARDS: usize = 16;
 
 /// The keys with a running handler, by hash: a collision only makes a key wait for an
 /// unrelated handler to end.
 #[derive(Default)]
 pub(crate) struct Running {
-    keys: Mutex<HashSet<u64>>,
+    shards: [Shard; SHARDS],
     hasher: RandomState,
 }
 
-/// A key marked running until dropped.
-pub(crate) struct Runs {
+/// One lock on a cache line of its own.
+#[derive(Default)]
+#[repr(align(128))]
+struct Shard(Mutex<HashSet<u64, BuildHasherDefault<Hashed>>>);
+
+/// The hasher of a set of hashes: the value is its own hash.
+#[derive(Default)]
+struct Hashed(u64);
+
+impl Hasher for Hashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// A key marked running until dropped, borrowing the set ([`Runs::keep`] makes it owned).
+pub(crate) struct Runs<'a> {
+    running: &'a Running,
+    hash: Option<u64>,
+}
+
+/// A key marked running until dropped, for a handler that outlives its worker.
+pub(crate) struct Kept {
     running: Arc<Running>,
     hash: u64,
 }
@@ -33,43 +67,60 @@ impl Running {
         self.hasher.hash_one(key)
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashSet<u64>> {
-        self.keys.lock().unwrap_or_else(|e| e.into_inner())
+    fn shard(&self, hash: u64) -> MutexGuard<'_, HashSet<u64, BuildHasherDefault<Hashed>>> {
+        // Bits the set's own buckets do not use (they take the low ones).
+        let shard = &self.shards[(hash >> 32) as usize % SHARDS];
+        shard.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Marks `key` running, unless a handler of it runs here already.
-    pub fn start(self: &Arc<Self>, key: &Key) -> Option<Runs> {
+    pub fn start(&self, key: &Key) -> Option<Runs<'_>> {
         let hash = self.hash(key);
-        self.lock().insert(hash).then(|| Runs {
-            running: Arc::clone(self),
-            hash,
+        self.shard(hash).insert(hash).then_some(Runs {
+            running: self,
+            hash: Some(hash),
         })
     }
 
     /// Which of `keys` run here now (`false` for `None`). A key that starts running as
     /// this returns is caught when its handler starts ([`Running::start`]).
-    pub fn which<'a>(&self, keys: impl ExactSizeIterator<Item = Option<&'a Key>>) -> Vec<bool> {
-        if self.lock().is_empty() {
-            return vec![false; keys.len()];
-        }
-        let hashes: Vec<Option<u64>> = keys.map(|k| k.map(|k| self.hash(k))).collect();
-        let running = self.lock();
-        hashes
-            .into_iter()
-            .map(|h| h.is_some_and(|h| running.contains(&h)))
+    pub fn which<'a>(&self, keys: impl Iterator<Item = Option<&'a Key>>) -> Vec<bool> {
+        keys.map(|key| key.is_some_and(|key| self.contains(key)))
             .collect()
     }
 
     /// Whether `key` runs here now.
     pub fn contains(&self, key: &Key) -> bool {
         let hash = self.hash(key);
-        self.lock().contains(&hash)
+        self.shard(hash).contains(&hash)
+    }
+
+    fn end(&self, hash: u64) {
+        self.shard(hash).remove(&hash);
     }
 }
 
-impl Drop for Runs {
+impl Runs<'_> {
+    /// The same mark, owned: it stays until the [`Kept`] is dropped.
+    pub fn keep(mut self, running: &Arc<Running>) -> Kept {
+        Kept {
+            running: Arc::clone(running),
+            hash: self.hash.take().unwrap_or_default(),
+        }
+    }
+}
+
+impl Drop for Runs<'_> {
     fn drop(&mut self) {
-        self.running.lock().remove(&self.hash);
+        if let Some(hash) = self.hash {
+            self.running.end(hash);
+        }
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.running.end(self.hash);
     }
 }
 
@@ -83,7 +134,7 @@ mod tests {
 
     #[test]
     fn a_key_runs_once_until_its_mark_is_dropped() {
-        let running = Arc::new(Running::default());
+        let running = Running::default();
         let (a, b) = (key("a"), key("b"));
         let first = running.start(&a).expect("a is free");
         assert!(running.start(&a).is_none(), "a runs already");
@@ -109,7 +160,7 @@ mod tests {
             let _ = finished.await;
             Ok(bytes::Bytes::new())
         }));
-        slot.detach(tracing::Span::none(), runs);
+        slot.detach(tracing::Span::none(), runs.keep(&running));
         tokio::task::yield_now().await;
         assert!(running.start(&a).is_none(), "a runs on, detached");
         finish.send(()).expect("the handler waits");
