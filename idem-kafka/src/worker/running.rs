@@ -76,7 +76,9 @@ impl Running {
     /// Marks `key` running, unless a handler of it runs here already.
     pub fn start(&self, key: &Key) -> Option<Runs<'_>> {
         let hash = self.hash(key);
-        self.shard(hash).insert(hash).then_some(Runs {
+        let fresh = self.shard(hash).insert(hash);
+        // Made only when fresh: a mark dropped unused would end the other handler's.
+        fresh.then(|| Runs {
             running: self,
             hash: Some(hash),
         })
