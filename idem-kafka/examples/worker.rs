@@ -223,6 +223,8 @@ async fn run(args: Args) -> Result<u64, String> {
         .set("auto.offset.reset", "earliest")
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
+        // The rebalance timeout too: a group waits this long for a killed member to rejoin.
+        .set("max.poll.interval.ms", "20000")
         .set("topic.metadata.refresh.interval.ms", "500")
         .set("partition.assignment.strategy", &args.assignment);
     let stop = stop_on_stdin();
