@@ -10,12 +10,6 @@
 //! PostgreSQL, MySQL or DynamoDB Local, `IDEM_DYNAMO_ENDPOINT`) every double effect comes
 //! after a takeover with a higher token, and the test reports the doubles per kill; with
 //! `--max-unsettled 1` no kill repeats more than one effect per partition.
-//!
-//! The churn tests (`sigkilled_workers_churn_*`) run four workers and, every 2 s while
-//! payments flow, one leaves (a clean stop and a SIGKILL in turn) or a new one joins:
-//! under eager (`range`) and cooperative-sticky assignment, at `in_flight` 1 and 32, for
-//! 12 s (30 s with `IDEM_FAULTS_FULL=1`). Every scenario also checks that no worker ever
-//! ran two handlers of one payment at once.
 
 mod common;
 
@@ -64,61 +58,6 @@ enum LeaseStore {
 
 /// The DynamoDB table the worker example uses in lease mode.
 const DYNAMO_TABLE: &str = "idem_sigkill";
-
-/// How workers come and go.
-#[derive(Clone, Copy, Debug)]
-enum Schedule {
-    /// A wave of payments before each of [`KILLS`] kills, a replacement after each.
-    Kills,
-    /// Every [`CHURN_EVERY`] a wave, then a worker leaves (a clean stop and a SIGKILL in
-    /// turn) or a new one joins; `in_flight` handlers per partition.
-    Churn {
-        assignment: &'static str,
-        in_flight: usize,
-    },
-}
-
-const CHURN_EVERY: Duration = Duration::from_secs(2);
-const CHURN_WORKERS: usize = 4;
-
-/// How many churn steps: 30 s with `IDEM_FAULTS_FULL=1`, 12 s otherwise.
-fn churn_steps() -> usize {
-    if std::env::var_os("IDEM_FAULTS_FULL").is_some() {
-        15
-    } else {
-        6
-    }
-}
-
-macro_rules! churn_tests {
-    ($($name:ident: $mode:expr, $assignment:literal, $in_flight:literal;)*) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $name() {
-            let schedule = Schedule::Churn { assignment: $assignment, in_flight: $in_flight };
-            let f = scenario_with($mode, Sql::Postgres, schedule).await;
-            match $mode {
-                Mode::Transactional => assert_eq!(f.effects, PAYMENTS, "each payment once"),
-                Mode::Lease { .. } => assert_eq!(f.effects, PAYMENTS + f.doubles),
-            }
-        }
-    )*};
-}
-
-const REDIS: Mode = Mode::Lease {
-    store: LeaseStore::Redis,
-    max_unsettled: None,
-};
-
-churn_tests! {
-    sigkilled_workers_churn_lease_redis_eager_in_flight_1: REDIS, "range", 1;
-    sigkilled_workers_churn_lease_redis_eager_in_flight_32: REDIS, "range", 32;
-    sigkilled_workers_churn_lease_redis_cooperative_in_flight_1: REDIS, "cooperative-sticky", 1;
-    sigkilled_workers_churn_lease_redis_cooperative_in_flight_32: REDIS, "cooperative-sticky", 32;
-    sigkilled_workers_churn_transactional_postgres_eager_in_flight_1: Mode::Transactional, "range", 1;
-    sigkilled_workers_churn_transactional_postgres_eager_in_flight_32: Mode::Transactional, "range", 32;
-    sigkilled_workers_churn_transactional_postgres_cooperative_in_flight_1: Mode::Transactional, "cooperative-sticky", 1;
-    sigkilled_workers_churn_transactional_postgres_cooperative_in_flight_32: Mode::Transactional, "cooperative-sticky", 32;
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_workers_transactional_postgres() {
@@ -325,8 +264,6 @@ impl Ledger {
 enum Event {
     Settled(u32),
     Exited(u32),
-    /// A worker started a handler of a payment while another of it ran.
-    Overlap(u32, String),
 }
 
 struct Worker {
@@ -345,8 +282,6 @@ struct Pool {
     next: u32,
     events: mpsc::UnboundedSender<Event>,
     running: Vec<Worker>,
-    /// Workers stopped cleanly during the run, reaped at the end.
-    stopped: Vec<Worker>,
     killed: HashSet<u32>,
 }
 
@@ -375,9 +310,6 @@ impl Pool {
                     Ok(l) if l.starts_with("settled ") => {
                         let _ = events.send(Event::Settled(instance));
                     }
-                    Ok(l) if l.starts_with("overlap ") => {
-                        let _ = events.send(Event::Overlap(instance, l));
-                    }
                     Ok(_) => {}
                     Err(_) => break,
                 }
@@ -399,15 +331,12 @@ impl Pool {
         w.map(|w| w.settled += 1).is_some()
     }
 
-    /// SIGKILLs a random worker among those that settled something, or any if none did
-    /// (`Child::kill` sends SIGKILL on Unix) and reaps it.
+    /// SIGKILLs a random worker among those that settled something (`Child::kill` sends
+    /// SIGKILL on Unix) and reaps it.
     fn kill_one(&mut self) -> u32 {
-        let mut working: Vec<usize> = (0..self.running.len())
+        let working: Vec<usize> = (0..self.running.len())
             .filter(|i| self.running[*i].settled > 0)
             .collect();
-        if working.is_empty() {
-            working = (0..self.running.len()).collect();
-        }
         let mut w = self
             .running
             .swap_remove(working[fastrand::usize(..working.len())]);
@@ -415,27 +344,6 @@ impl Pool {
         w.child.wait().expect("reap a worker");
         self.killed.insert(w.instance);
         w.instance
-    }
-
-    /// Stops a random worker cleanly (its stdin closes); it is reaped at the end.
-    fn stop_one(&mut self) -> u32 {
-        let mut w = self
-            .running
-            .swap_remove(fastrand::usize(..self.running.len()));
-        w.stdin = None;
-        let instance = w.instance;
-        self.stopped.push(w);
-        instance
-    }
-
-    /// Handles one event; says whether it was a settle of a running worker.
-    fn event(&mut self, event: Event, figures: &mut Figures) -> bool {
-        match event {
-            Event::Settled(i) => return self.settled(i),
-            Event::Exited(i) => self.exited(i),
-            Event::Overlap(i, line) => figures.overlaps.push(format!("worker {i}: {line}")),
-        }
-        false
     }
 
     /// A worker's stdout closed: fine once killed, a failure while it should be running.
@@ -460,21 +368,10 @@ struct Figures {
     takeovers: usize,
     /// The most effects one kill repeated on one partition.
     worst_kill: usize,
-    /// Workers that left cleanly, and that joined, during churn.
-    stops: usize,
-    joins: usize,
-    /// Handlers started while another of the same payment ran in the same worker.
-    overlaps: Vec<String>,
-    /// From the last change of the group until everything was settled and committed.
-    recovered: f64,
     seconds: f64,
 }
 
 async fn scenario(mode: Mode, sql: Sql) -> Figures {
-    scenario_with(mode, sql, Schedule::Kills).await
-}
-
-async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
@@ -569,13 +466,6 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
         (Mode::Transactional, Sql::Postgres) => "transactional, PostgreSQL".into(),
         (Mode::Transactional, Sql::Mysql) => "transactional, MySQL".into(),
     };
-    let label = match schedule {
-        Schedule::Kills => label,
-        Schedule::Churn {
-            assignment,
-            in_flight,
-        } => format!("churn, {label}, {assignment}, in_flight {in_flight}"),
-    };
     let max_unsettled = match mode {
         Mode::Lease {
             max_unsettled: Some(n),
@@ -597,18 +487,6 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
     if let Some(n) = &max_unsettled {
         args.push(("max-unsettled", n));
     }
-    let in_flight;
-    let workers = match schedule {
-        Schedule::Kills => WORKERS,
-        Schedule::Churn {
-            assignment,
-            in_flight: n,
-        } => {
-            in_flight = n.to_string();
-            args.extend([("assignment", assignment), ("in-flight", &in_flight)]);
-            CHURN_WORKERS
-        }
-    };
     let (events, mut rx) = mpsc::unbounded_channel();
     let mut pool = Pool {
         example: example.path().to_owned(),
@@ -620,17 +498,20 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
         next: 0,
         events,
         running: Vec::new(),
-        stopped: Vec::new(),
         killed: HashSet::new(),
     };
     eprintln!("workers log to {}", pool.log.display());
-    for _ in 0..workers {
+    for _ in 0..WORKERS {
         pool.start();
     }
 
+    // A wave before each kill, so every kill finds work; the kill comes once running
+    // workers settled a random number of messages, after a random pause of up to 250 ms,
+    // and hits one of the workers that settled something (its partitions are assigned).
     let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
     let mut partition_of: HashMap<String, i32> = HashMap::new();
-    let mut produce = async |wave: &[Out]| {
+    let waves: Vec<&[Out]> = outs.chunks(outs.len().div_ceil(KILLS + 1)).collect();
+    for (n, wave) in waves.iter().enumerate() {
         let at = common::produce(&brokers, &topic, wave).await;
         for (out, (p, o)) in wave.iter().zip(at) {
             let end = ends.entry(p).or_default();
@@ -638,54 +519,6 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
             let id = String::from_utf8_lossy(out.key.as_deref().unwrap_or_default());
             partition_of.insert(id.into_owned(), p);
         }
-    };
-    if let Schedule::Churn { .. } = schedule {
-        // A wave, then events until the step's end, then a worker leaves or joins.
-        let steps = churn_steps();
-        let mut step_end = tokio::time::Instant::now();
-        for (n, wave) in outs.chunks(outs.len().div_ceil(steps)).enumerate() {
-            produce(wave).await;
-            step_end += CHURN_EVERY;
-            while let Ok(event) = tokio::time::timeout_at(step_end, rx.recv()).await {
-                pool.event(event.expect("the pool holds a sender"), &mut figures);
-            }
-            let change = match n % 4 {
-                0 => {
-                    figures.kills += 1;
-                    format!("killed worker {}", pool.kill_one())
-                }
-                2 => {
-                    figures.stops += 1;
-                    format!("stopped worker {}", pool.stop_one())
-                }
-                _ => {
-                    figures.joins += 1;
-                    pool.start();
-                    format!("worker {} joined", pool.next - 1)
-                }
-            };
-            eprintln!(
-                "{label} {:5.1} s: {change}",
-                started.elapsed().as_secs_f64()
-            );
-        }
-    }
-
-    // A wave before each kill, so every kill finds work; the kill comes once running
-    // workers settled a random number of messages, after a random pause of up to 250 ms,
-    // and hits one of the workers that settled something (its partitions are assigned).
-    let kills = if let Schedule::Kills = schedule {
-        KILLS
-    } else {
-        0
-    };
-    let waves: Vec<&[Out]> = if kills == 0 {
-        Vec::new()
-    } else {
-        outs.chunks(outs.len().div_ceil(KILLS + 1)).collect()
-    };
-    for (n, wave) in waves.iter().enumerate() {
-        produce(wave).await;
         if n == KILLS {
             break;
         }
@@ -693,7 +526,8 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
         let mut seen = 0;
         while seen < want {
             match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(event)) => seen += usize::from(pool.event(event, &mut figures)),
+                Ok(Some(Event::Settled(i))) => seen += usize::from(pool.settled(i)),
+                Ok(Some(Event::Exited(i))) => pool.exited(i),
                 Ok(None) => unreachable!("the pool holds a sender"),
                 Err(_) => panic!(
                     "kill {n}: only {seen} of {want} settles in {TIMEOUT:?}; worker log {}",
@@ -713,11 +547,12 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
 
     // Done when every payment is in the ledger and Completed, and the offsets reach the
     // end. Neither the database nor the broker signals, so both are polled.
-    let last_change = Instant::now();
     let mut open: Vec<String> = (0..PAYMENTS).map(|i| format!("pay-{i}")).collect();
     loop {
         while let Ok(event) = rx.try_recv() {
-            pool.event(event, &mut figures);
+            if let Event::Exited(i) = event {
+                pool.exited(i);
+            }
         }
         let applied: HashSet<String> = ledger.rows().await.into_iter().map(|r| r.0).collect();
         if open.iter().all(|id| applied.contains(id)) {
@@ -747,7 +582,6 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    figures.recovered = last_change.elapsed().as_secs_f64();
     eprintln!(
         "{label} {:5.1} s: every payment in the ledger and Completed, offsets at the end",
         started.elapsed().as_secs_f64()
@@ -763,14 +597,11 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
             Ok(Some(Event::Exited(i))) => {
                 left.remove(&i);
             }
-            Ok(Some(Event::Overlap(i, line))) => {
-                figures.overlaps.push(format!("worker {i}: {line}"));
-            }
             Ok(Some(Event::Settled(_))) => {}
             Ok(None) | Err(_) => panic!("workers {left:?} did not stop within 30 s"),
         }
     }
-    for w in pool.running.iter_mut().chain(&mut pool.stopped) {
+    for w in &mut pool.running {
         let status = w.child.wait().expect("reap a worker");
         assert!(
             status.success(),
@@ -782,13 +613,11 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
     check(mode, &ledger, &pool.killed, &partition_of, &mut figures).await;
     figures.seconds = started.elapsed().as_secs_f64();
     println!(
-        "sigkill ({label}): {PAYMENTS} payments, {} duplicates, {} kills, {} clean stops, \
-         {} joins, {} effects, {} doubles ({} after a kill), {:.2} doubles per kill, at most \
-         {} by one kill on one partition, {} effects after a takeover, {:.1} s",
+        "sigkill ({label}): {PAYMENTS} payments, {} duplicates, {} kills, {} effects, {} \
+         doubles ({} after a kill), {:.2} doubles per kill, at most {} by one kill on one \
+         partition, {} effects after a takeover, {:.1} s",
         figures.duplicates,
         figures.kills,
-        figures.stops,
-        figures.joins,
         figures.effects,
         figures.doubles,
         figures.doubles_after_kill,
@@ -797,26 +626,6 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
         figures.takeovers,
         figures.seconds
     );
-    assert!(
-        figures.overlaps.is_empty(),
-        "a worker ran two handlers of one payment at once: {:?}",
-        figures.overlaps
-    );
-    if let Schedule::Churn { .. } = schedule {
-        // A row of `scripts/faults`' table.
-        println!(
-            "| {label} | {} | {} kills, {} stops, {} joins | {} | {} | {:.1} s after the last \
-             change | {:.1} s |",
-            PAYMENTS + figures.duplicates,
-            figures.kills,
-            figures.stops,
-            figures.joins,
-            figures.effects,
-            figures.doubles,
-            figures.recovered,
-            figures.seconds
-        );
-    }
     ledger.drop_schema().await;
     if let Some(schema) = mysql_schema {
         schema.drop_schema().await;
