@@ -30,6 +30,8 @@ use crate::{Error, Result};
 /// How long one poll of the client blocks; also how quickly the poll thread notices a
 /// shutdown.
 const POLL: Duration = Duration::from_millis(50);
+/// How long closing waits for the revoke after unsubscribing (see [`leave`]).
+const LEAVE_WITHIN: Duration = Duration::from_secs(10);
 
 /// A topic and partition.
 pub(crate) type Tp = (Arc<str>, i32);
@@ -390,7 +392,7 @@ impl ConsumerContext for LoopContext {
         );
         let result = match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                tracing::info!(partitions = tpl.count(), "partitions assigned");
+                tracing::info!(partitions = %listed(tpl), "partitions assigned");
                 self.shared.seek_to_stored(tpl);
                 let r = if cooperative {
                     consumer.incremental_assign(tpl)
@@ -408,7 +410,7 @@ impl ConsumerContext for LoopContext {
                     .iter()
                     .map(|e| (Arc::from(e.topic()), e.partition()))
                     .collect();
-                tracing::info!(partitions = tps.len(), "partitions revoked");
+                tracing::info!(partitions = %listed(tpl), "partitions revoked");
                 self.shared.revoke(consumer, &tps);
                 if cooperative {
                     consumer.incremental_unassign(tpl)
@@ -431,6 +433,16 @@ impl ConsumerContext for LoopContext {
             tracing::warn!(error = %e, "assign or unassign failed");
         }
     }
+}
+
+/// `topic/partition` for each partition of `tpl`, comma-separated, for the log.
+fn listed(tpl: &TopicPartitionList) -> String {
+    let each: Vec<String> = tpl
+        .elements()
+        .iter()
+        .map(|e| format!("{}/{}", e.topic(), e.partition()))
+        .collect();
+    each.join(",")
 }
 
 /// The poll thread: routes messages, commits periodically, and on shutdown revokes
@@ -496,6 +508,26 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
     result
 }
 
+/// Leaves the group before the client closes: unsubscribes, then serves the rebalance
+/// callbacks until nothing is assigned (at most [`LEAVE_WITHIN`]). Closing with an
+/// assignment under way can hang for good: an incremental assign that arrives while the
+/// client closes is taken as a full unassign, and the revoke after it then waits forever
+/// for an answer (librdkafka #4884, seen here with cooperative-sticky in the churn tests).
+fn leave(consumer: &BaseConsumer<LoopContext>) {
+    consumer.unsubscribe();
+    let start = Instant::now();
+    while start.elapsed() < LEAVE_WITHIN {
+        // A message polled now is not routed: its offset is not stored, so the partition's
+        // next owner gets it.
+        let quiet = consumer.poll(POLL).is_none();
+        let assigned = consumer.assignment().map_or(0, |a| a.count());
+        if quiet && assigned == 0 {
+            return;
+        }
+    }
+    tracing::warn!(within = ?LEAVE_WITHIN, "partitions still assigned at close");
+}
+
 /// Drops the client on this thread once no worker holds it (a worker's upgrade of its
 /// weak handle is brief). Closing runs the revoke callback, which commits unless dead.
 fn close(shared: &Shared, consumer: Arc<BaseConsumer<LoopContext>>) {
@@ -506,6 +538,8 @@ fn close(shared: &Shared, consumer: Arc<BaseConsumer<LoopContext>>) {
     let crashed = shared.ctx.crash.happened();
     if crashed {
         tracing::debug!("closing the consumer after a crash: no commit");
+    } else {
+        leave(&consumer);
     }
     drop(consumer);
     if let (true, Some(probe)) = (crashed, shared.ctx.crash.probe()) {
