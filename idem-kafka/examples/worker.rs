@@ -21,7 +21,8 @@
 //! librdkafka's `partition.assignment.strategy` (`range`, the default, `roundrobin`, or
 //! `cooperative-sticky`).
 //!
-//! It logs to stderr when `RUST_LOG` is set, and prints `settled partition=<p> offset=<o>`
+//! It logs to stderr when `RUST_LOG` is set (librdkafka's debug contexts too when
+//! `RDKAFKA_DEBUG` names them, e.g. `cgrp`), and prints `settled partition=<p> offset=<o>`
 //! for each message it settles,
 //! `overlap payment=<id>` if a handler starts while another handler of the same payment
 //! runs in this process, and `stopped settled=<n>` after a clean stop; on bad input it
@@ -227,6 +228,12 @@ async fn run(args: Args) -> Result<u64, String> {
         .set("max.poll.interval.ms", "20000")
         .set("topic.metadata.refresh.interval.ms", "500")
         .set("partition.assignment.strategy", &args.assignment);
+    // librdkafka's own debug contexts (`cgrp`, `fetch`, …), logged through `RUST_LOG`.
+    if let Ok(contexts) = std::env::var("RDKAFKA_DEBUG") {
+        config
+            .set("debug", contexts)
+            .set_log_level(rdkafka::config::RDKafkaLogLevel::Debug);
+    }
     let stop = stop_on_stdin();
     let settles = Arc::new(Settles::default());
     let builder = IdemConsumer::builder(config)

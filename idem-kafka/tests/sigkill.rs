@@ -10,11 +10,17 @@
 //! PostgreSQL, MySQL or DynamoDB Local, `IDEM_DYNAMO_ENDPOINT`) every double effect comes
 //! after a takeover with a higher token, and the test reports the doubles per kill; with
 //! `--max-unsettled 1` no kill repeats more than one effect per partition.
+//!
+//! The churn tests (`sigkilled_workers_churn_*`) run four workers and, every 2 s while
+//! payments flow, one leaves (a clean stop and a SIGKILL in turn) or a new one joins:
+//! under eager (`range`) and cooperative-sticky assignment, at `in_flight` 1 and 32, for
+//! 12 s (30 s with `IDEM_FAULTS_FULL=1`). Every scenario also checks that no worker ever
+//! ran two handlers of one payment at once.
 
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -58,6 +64,82 @@ enum LeaseStore {
 
 /// The DynamoDB table the worker example uses in lease mode.
 const DYNAMO_TABLE: &str = "idem_sigkill";
+
+/// How workers come and go.
+#[derive(Clone, Copy, Debug)]
+enum Schedule {
+    /// A wave of payments before each of [`KILLS`] kills, a replacement after each.
+    Kills,
+    /// Every [`CHURN_EVERY`] a wave, then a worker leaves (a clean stop and a SIGKILL in
+    /// turn) or a new one joins; `in_flight` handlers per partition.
+    Churn {
+        assignment: &'static str,
+        in_flight: usize,
+    },
+}
+
+const CHURN_EVERY: Duration = Duration::from_secs(2);
+const CHURN_WORKERS: usize = 4;
+
+/// How many churn steps: 30 s with `IDEM_FAULTS_FULL=1`, 12 s otherwise.
+fn churn_steps() -> usize {
+    if std::env::var_os("IDEM_FAULTS_FULL").is_some() {
+        15
+    } else {
+        6
+    }
+}
+
+macro_rules! churn_tests {
+    ($($name:ident: $mode:expr, $assignment:literal, $in_flight:literal;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let schedule = Schedule::Churn { assignment: $assignment, in_flight: $in_flight };
+            let f = scenario_with($mode, Sql::Postgres, schedule).await;
+            assert!(f.stops > 0, "no worker was stopped cleanly");
+            match $mode {
+                Mode::Transactional => assert_eq!(f.effects, PAYMENTS, "each payment once"),
+                Mode::Lease { .. } => assert_eq!(f.effects, PAYMENTS + f.doubles),
+            }
+        }
+    )*};
+}
+
+#[test]
+fn a_join_group_answer_names_its_generation_leader_and_member() {
+    let line = "DEBUG librdkafka: [thrd:main]: JoinGroup response: GenerationId 2, Protocol \
+                cooperative-sticky, LeaderId rdkafka-4635 (me), my MemberId rdkafka-4635, \
+                member metadata count 4: (no error) fac=\"JOINGROUP\"";
+    let joined = Joined::parse(line).expect("a JoinGroup answer");
+    assert_eq!(
+        joined,
+        Joined {
+            generation: 2,
+            leader: "rdkafka-4635".into(),
+            member: "rdkafka-4635".into()
+        }
+    );
+    let failed = "JoinGroup response: GenerationId -1, Protocol , LeaderId , my MemberId \
+                  rdkafka-da29, member metadata count 0: Broker: Group member needs a valid \
+                  member ID";
+    assert_eq!(Joined::parse(failed), None);
+}
+
+const REDIS: Mode = Mode::Lease {
+    store: LeaseStore::Redis,
+    max_unsettled: None,
+};
+
+churn_tests! {
+    sigkilled_workers_churn_lease_redis_eager_in_flight_1: REDIS, "range", 1;
+    sigkilled_workers_churn_lease_redis_eager_in_flight_32: REDIS, "range", 32;
+    sigkilled_workers_churn_lease_redis_cooperative_in_flight_1: REDIS, "cooperative-sticky", 1;
+    sigkilled_workers_churn_lease_redis_cooperative_in_flight_32: REDIS, "cooperative-sticky", 32;
+    sigkilled_workers_churn_transactional_postgres_eager_in_flight_1: Mode::Transactional, "range", 1;
+    sigkilled_workers_churn_transactional_postgres_eager_in_flight_32: Mode::Transactional, "range", 32;
+    sigkilled_workers_churn_transactional_postgres_cooperative_in_flight_1: Mode::Transactional, "cooperative-sticky", 1;
+    sigkilled_workers_churn_transactional_postgres_cooperative_in_flight_32: Mode::Transactional, "cooperative-sticky", 32;
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_workers_transactional_postgres() {
@@ -264,12 +346,44 @@ impl Ledger {
 enum Event {
     Settled(u32),
     Exited(u32),
+    /// A worker started a handler of a payment while another of it ran.
+    Overlap(u32, String),
+    /// A worker's JoinGroup answer (from librdkafka's `cgrp` debug log, churn tests only).
+    Joined(u32, Joined),
+}
+
+/// What a JoinGroup answer says: the generation, the group's leader, the member's own id.
+#[derive(Debug, PartialEq)]
+struct Joined {
+    generation: i32,
+    leader: String,
+    member: String,
+}
+
+impl Joined {
+    /// Reads librdkafka's `JoinGroup response: GenerationId 2, Protocol range, LeaderId
+    /// <id>, my MemberId <id>, …` line; `None` for any other line or a failed join.
+    fn parse(line: &str) -> Option<Joined> {
+        let rest = line.split_once("JoinGroup response: GenerationId ")?.1;
+        let (generation, rest) = rest.split_once(',')?;
+        let leader = rest.split_once("LeaderId ")?.1;
+        let leader = leader.split([' ', ',']).next()?;
+        let member = rest.split_once("my MemberId ")?.1.split(',').next()?;
+        let generation = generation.trim().parse().ok()?;
+        (generation >= 0 && !leader.is_empty()).then(|| Joined {
+            generation,
+            leader: leader.to_owned(),
+            member: member.to_owned(),
+        })
+    }
 }
 
 struct Worker {
     instance: u32,
     /// Messages it settled: a worker that settled one holds partitions and is working.
     settled: u64,
+    /// Its member id in the group, once a JoinGroup answer named it.
+    member: Option<String>,
     child: Child,
     stdin: Option<ChildStdin>,
 }
@@ -282,7 +396,13 @@ struct Pool {
     next: u32,
     events: mpsc::UnboundedSender<Event>,
     running: Vec<Worker>,
+    /// Workers stopped cleanly during the run, reaped at the end.
+    stopped: Vec<Worker>,
     killed: HashSet<u32>,
+    /// The group's leader as the newest JoinGroup answer named it (generation, member id).
+    leader: (i32, String),
+    /// Whether workers log librdkafka's group debug lines (for [`Event::Joined`]).
+    group_debug: bool,
 }
 
 impl Pool {
@@ -294,14 +414,33 @@ impl Pool {
             .append(true)
             .open(&self.log)
             .expect("open the worker log");
-        let mut child = Command::new(&self.example)
+        let mut command = Command::new(&self.example);
+        command
             .args(&self.args)
             .args(["--instance", &instance.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .expect("start a worker");
+            .stderr(Stdio::piped());
+        if self.group_debug {
+            let filter = match std::env::var("RUST_LOG") {
+                Ok(f) => format!("{f},librdkafka=debug"),
+                Err(_) => "idem_kafka=info,librdkafka=debug".to_owned(),
+            };
+            command.env("RUST_LOG", filter).env("RDKAFKA_DEBUG", "cgrp");
+        }
+        let mut child = command.spawn().expect("start a worker");
+        // Each line of the shared log says which worker wrote it.
+        let stderr = child.stderr.take().expect("piped stderr");
+        let joins = self.events.clone();
+        std::thread::spawn(move || {
+            let mut log = log;
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(joined) = Joined::parse(&line) {
+                    let _ = joins.send(Event::Joined(instance, joined));
+                }
+                let _ = writeln!(log, "[worker {instance}] {line}");
+            }
+        });
         let stdout = child.stdout.take().expect("piped stdout");
         let events = self.events.clone();
         std::thread::spawn(move || {
@@ -309,6 +448,9 @@ impl Pool {
                 match line {
                     Ok(l) if l.starts_with("settled ") => {
                         let _ = events.send(Event::Settled(instance));
+                    }
+                    Ok(l) if l.starts_with("overlap ") => {
+                        let _ = events.send(Event::Overlap(instance, l));
                     }
                     Ok(_) => {}
                     Err(_) => break,
@@ -320,6 +462,7 @@ impl Pool {
         self.running.push(Worker {
             instance,
             settled: 0,
+            member: None,
             child,
             stdin,
         });
@@ -331,12 +474,15 @@ impl Pool {
         w.map(|w| w.settled += 1).is_some()
     }
 
-    /// SIGKILLs a random worker among those that settled something (`Child::kill` sends
-    /// SIGKILL on Unix) and reaps it.
+    /// SIGKILLs a random worker among those that settled something, or any if none did
+    /// (`Child::kill` sends SIGKILL on Unix) and reaps it.
     fn kill_one(&mut self) -> u32 {
-        let working: Vec<usize> = (0..self.running.len())
+        let mut working: Vec<usize> = (0..self.running.len())
             .filter(|i| self.running[*i].settled > 0)
             .collect();
+        if working.is_empty() {
+            working = (0..self.running.len()).collect();
+        }
         let mut w = self
             .running
             .swap_remove(working[fastrand::usize(..working.len())]);
@@ -346,6 +492,52 @@ impl Pool {
         w.instance
     }
 
+    /// Stops a random worker cleanly (its stdin closes) that is not the group's leader;
+    /// it is reaped at the end. `None` if no worker's member id is known but the leader's.
+    ///
+    /// Never the leader: tansu keeps a member that leaves while the group rebalances as
+    /// the group's leader (its `Forming` state's `leave` does not clear it), so no member
+    /// ever gets an assignment again. A leader killed is replaced once its session lapses.
+    fn stop_one(&mut self) -> Option<u32> {
+        let leader = &self.leader.1;
+        let followers: Vec<usize> = (0..self.running.len())
+            .filter(|i| {
+                self.running[*i]
+                    .member
+                    .as_ref()
+                    .is_some_and(|m| m != leader)
+            })
+            .collect();
+        if followers.is_empty() {
+            return None;
+        }
+        let mut w = self
+            .running
+            .swap_remove(followers[fastrand::usize(..followers.len())]);
+        w.stdin = None;
+        let instance = w.instance;
+        self.stopped.push(w);
+        Some(instance)
+    }
+
+    /// Handles one event; says whether it was a settle of a running worker.
+    fn event(&mut self, event: Event, figures: &mut Figures) -> bool {
+        match event {
+            Event::Settled(i) => return self.settled(i),
+            Event::Exited(i) => self.exited(i),
+            Event::Overlap(i, line) => figures.overlaps.push(format!("worker {i}: {line}")),
+            Event::Joined(i, joined) => {
+                if let Some(w) = self.running.iter_mut().find(|w| w.instance == i) {
+                    w.member = Some(joined.member);
+                }
+                if joined.generation >= self.leader.0 {
+                    self.leader = (joined.generation, joined.leader);
+                }
+            }
+        }
+        false
+    }
+
     /// A worker's stdout closed: fine once killed, a failure while it should be running.
     fn exited(&self, instance: u32) {
         assert!(
@@ -353,6 +545,16 @@ impl Pool {
             "worker {instance} exited on its own; its stderr is in {}",
             self.log.display()
         );
+    }
+}
+
+/// A test that fails leaves no worker behind.
+impl Drop for Pool {
+    fn drop(&mut self) {
+        for w in self.running.iter_mut().chain(&mut self.stopped) {
+            let _ = w.child.kill();
+            let _ = w.child.wait();
+        }
     }
 }
 
@@ -368,10 +570,21 @@ struct Figures {
     takeovers: usize,
     /// The most effects one kill repeated on one partition.
     worst_kill: usize,
+    /// Workers that left cleanly, and that joined, during churn.
+    stops: usize,
+    joins: usize,
+    /// Handlers started while another of the same payment ran in the same worker.
+    overlaps: Vec<String>,
+    /// From the last change of the group until everything was settled and committed.
+    recovered: f64,
     seconds: f64,
 }
 
 async fn scenario(mode: Mode, sql: Sql) -> Figures {
+    scenario_with(mode, sql, Schedule::Kills).await
+}
+
+async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
@@ -466,6 +679,13 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
         (Mode::Transactional, Sql::Postgres) => "transactional, PostgreSQL".into(),
         (Mode::Transactional, Sql::Mysql) => "transactional, MySQL".into(),
     };
+    let label = match schedule {
+        Schedule::Kills => label,
+        Schedule::Churn {
+            assignment,
+            in_flight,
+        } => format!("churn, {label}, {assignment}, in_flight {in_flight}"),
+    };
     let max_unsettled = match mode {
         Mode::Lease {
             max_unsettled: Some(n),
@@ -487,6 +707,18 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
     if let Some(n) = &max_unsettled {
         args.push(("max-unsettled", n));
     }
+    let in_flight;
+    let workers = match schedule {
+        Schedule::Kills => WORKERS,
+        Schedule::Churn {
+            assignment,
+            in_flight: n,
+        } => {
+            in_flight = n.to_string();
+            args.extend([("assignment", assignment), ("in-flight", &in_flight)]);
+            CHURN_WORKERS
+        }
+    };
     let (events, mut rx) = mpsc::unbounded_channel();
     let mut pool = Pool {
         example: example.path().to_owned(),
@@ -498,20 +730,19 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
         next: 0,
         events,
         running: Vec::new(),
+        stopped: Vec::new(),
         killed: HashSet::new(),
+        leader: (-1, String::new()),
+        group_debug: matches!(schedule, Schedule::Churn { .. }),
     };
     eprintln!("workers log to {}", pool.log.display());
-    for _ in 0..WORKERS {
+    for _ in 0..workers {
         pool.start();
     }
 
-    // A wave before each kill, so every kill finds work; the kill comes once running
-    // workers settled a random number of messages, after a random pause of up to 250 ms,
-    // and hits one of the workers that settled something (its partitions are assigned).
     let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
     let mut partition_of: HashMap<String, i32> = HashMap::new();
-    let waves: Vec<&[Out]> = outs.chunks(outs.len().div_ceil(KILLS + 1)).collect();
-    for (n, wave) in waves.iter().enumerate() {
+    let mut produce = async |wave: &[Out]| {
         let at = common::produce(&brokers, &topic, wave).await;
         for (out, (p, o)) in wave.iter().zip(at) {
             let end = ends.entry(p).or_default();
@@ -519,6 +750,56 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
             let id = String::from_utf8_lossy(out.key.as_deref().unwrap_or_default());
             partition_of.insert(id.into_owned(), p);
         }
+    };
+    if let Schedule::Churn { .. } = schedule {
+        // A wave, then events until the step's end, then a worker leaves or joins.
+        let steps = churn_steps();
+        let mut step_end = tokio::time::Instant::now();
+        for (n, wave) in outs.chunks(outs.len().div_ceil(steps)).enumerate() {
+            produce(wave).await;
+            step_end += CHURN_EVERY;
+            while let Ok(event) = tokio::time::timeout_at(step_end, rx.recv()).await {
+                pool.event(event.expect("the pool holds a sender"), &mut figures);
+            }
+            // A stop when no follower is known (see `Pool::stop_one`) is a join instead.
+            let stopped = if n % 4 == 2 { pool.stop_one() } else { None };
+            let change = match (n % 4, stopped) {
+                (0, _) => {
+                    figures.kills += 1;
+                    format!("killed worker {}", pool.kill_one())
+                }
+                (_, Some(stopped)) => {
+                    figures.stops += 1;
+                    format!("stopped worker {stopped}")
+                }
+                _ => {
+                    figures.joins += 1;
+                    pool.start();
+                    format!("worker {} joined", pool.next - 1)
+                }
+            };
+            eprintln!(
+                "{label} {:5.1} s: {change}",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+
+    // A wave before each kill, so every kill finds work; the kill comes once running
+    // workers settled a random number of messages, after a random pause of up to 250 ms,
+    // and hits one of the workers that settled something (its partitions are assigned).
+    let kills = if let Schedule::Kills = schedule {
+        KILLS
+    } else {
+        0
+    };
+    let waves: Vec<&[Out]> = if kills == 0 {
+        Vec::new()
+    } else {
+        outs.chunks(outs.len().div_ceil(KILLS + 1)).collect()
+    };
+    for (n, wave) in waves.iter().enumerate() {
+        produce(wave).await;
         if n == KILLS {
             break;
         }
@@ -526,8 +807,7 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
         let mut seen = 0;
         while seen < want {
             match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(Event::Settled(i))) => seen += usize::from(pool.settled(i)),
-                Ok(Some(Event::Exited(i))) => pool.exited(i),
+                Ok(Some(event)) => seen += usize::from(pool.event(event, &mut figures)),
                 Ok(None) => unreachable!("the pool holds a sender"),
                 Err(_) => panic!(
                     "kill {n}: only {seen} of {want} settles in {TIMEOUT:?}; worker log {}",
@@ -547,12 +827,11 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
 
     // Done when every payment is in the ledger and Completed, and the offsets reach the
     // end. Neither the database nor the broker signals, so both are polled.
+    let last_change = Instant::now();
     let mut open: Vec<String> = (0..PAYMENTS).map(|i| format!("pay-{i}")).collect();
     loop {
         while let Ok(event) = rx.try_recv() {
-            if let Event::Exited(i) = event {
-                pool.exited(i);
-            }
+            pool.event(event, &mut figures);
         }
         let applied: HashSet<String> = ledger.rows().await.into_iter().map(|r| r.0).collect();
         if open.iter().all(|id| applied.contains(id)) {
@@ -582,6 +861,7 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
+    figures.recovered = last_change.elapsed().as_secs_f64();
     eprintln!(
         "{label} {:5.1} s: every payment in the ledger and Completed, offsets at the end",
         started.elapsed().as_secs_f64()
@@ -597,12 +877,30 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
             Ok(Some(Event::Exited(i))) => {
                 left.remove(&i);
             }
-            Ok(Some(Event::Settled(_))) => {}
+            Ok(Some(Event::Overlap(i, line))) => {
+                figures.overlaps.push(format!("worker {i}: {line}"));
+            }
+            Ok(Some(Event::Settled(_) | Event::Joined(..))) => {}
             Ok(None) | Err(_) => panic!("workers {left:?} did not stop within 30 s"),
         }
     }
-    for w in &mut pool.running {
-        let status = w.child.wait().expect("reap a worker");
+    // Workers stopped during churn had their stdin closed long ago: none may hang.
+    let reap_by = Instant::now() + Duration::from_secs(30);
+    for w in pool.running.iter_mut().chain(&mut pool.stopped) {
+        let status = loop {
+            match w.child.try_wait().expect("reap a worker") {
+                Some(status) => break status,
+                None if Instant::now() < reap_by => {
+                    // A child's exit has no signal to wait on with a timeout.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                None => panic!(
+                    "worker {} did not exit after its stdin closed; log {}",
+                    w.instance,
+                    pool.log.display()
+                ),
+            }
+        };
         assert!(
             status.success(),
             "worker {} stopped with {status}",
@@ -613,11 +911,13 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
     check(mode, &ledger, &pool.killed, &partition_of, &mut figures).await;
     figures.seconds = started.elapsed().as_secs_f64();
     println!(
-        "sigkill ({label}): {PAYMENTS} payments, {} duplicates, {} kills, {} effects, {} \
-         doubles ({} after a kill), {:.2} doubles per kill, at most {} by one kill on one \
-         partition, {} effects after a takeover, {:.1} s",
+        "sigkill ({label}): {PAYMENTS} payments, {} duplicates, {} kills, {} clean stops, \
+         {} joins, {} effects, {} doubles ({} after a kill), {:.2} doubles per kill, at most \
+         {} by one kill on one partition, {} effects after a takeover, {:.1} s",
         figures.duplicates,
         figures.kills,
+        figures.stops,
+        figures.joins,
         figures.effects,
         figures.doubles,
         figures.doubles_after_kill,
@@ -626,6 +926,26 @@ async fn scenario(mode: Mode, sql: Sql) -> Figures {
         figures.takeovers,
         figures.seconds
     );
+    assert!(
+        figures.overlaps.is_empty(),
+        "a worker ran two handlers of one payment at once: {:?}",
+        figures.overlaps
+    );
+    if let Schedule::Churn { .. } = schedule {
+        // A row of `scripts/faults`' table.
+        println!(
+            "| {label} | {} | {} kills, {} stops, {} joins | {} | {} | {:.1} s after the last \
+             change | {:.1} s |",
+            PAYMENTS + figures.duplicates,
+            figures.kills,
+            figures.stops,
+            figures.joins,
+            figures.effects,
+            figures.doubles,
+            figures.recovered,
+            figures.seconds
+        );
+    }
     ledger.drop_schema().await;
     if let Some(schema) = mysql_schema {
         schema.drop_schema().await;
