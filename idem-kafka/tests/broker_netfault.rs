@@ -39,16 +39,16 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::Recorder;
 use common::broker::{self, Broker};
+use common::faults::{self, Counters};
 use common::ledger::{self, Mode};
 use common::proxy::{Faults, Proxy};
-use idem_core::Transactional;
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use idem_kafka::{IdemConsumer, Point, Probe, Verdict};
@@ -153,12 +153,8 @@ struct Figures {
     doubles: usize,
     /// Effects whose claim took over a lapsed lease.
     takeovers: usize,
-    /// The consumers' counters: store errors, fenced settles, waits on a key in progress,
-    /// dead letters, failed offset commits.
-    store_errors: u64,
-    fenced: u64,
-    in_progress_waits: u64,
-    dead_lettered: u64,
+    counters: Counters,
+    /// Failed offset commits.
     commit_errors: u64,
     /// Partitions that changed hands after the first wave.
     moves: usize,
@@ -294,76 +290,64 @@ async fn scenario(mode: Mode) {
     figures.moves = hands.moves.load(Ordering::Relaxed) - moves_before;
     figures.connections = proxy.accepted();
     figures.cut = proxy.cut();
-    let count = |name| common::counter(name, &topic);
-    figures.store_errors = count(idem_kafka::metrics::STORE_ERRORS);
-    figures.fenced = count(idem_kafka::metrics::FENCED);
-    figures.in_progress_waits = count(idem_kafka::metrics::IN_PROGRESS_WAITS);
-    figures.dead_lettered = count(idem_kafka::metrics::DEAD_LETTERED);
+    figures.counters = Counters::read(&topic);
     figures.commit_errors = common::counter_by(idem_kafka::metrics::COMMIT_ERRORS, "group", &group);
 
-    if mode == Mode::Transactional {
-        let stored: BTreeMap<i32, i64> = ledger_db
-            .stored_offsets(&group)
-            .await
-            .expect("stored offsets")
-            .into_iter()
-            .filter(|s| s.topic == topic)
-            .map(|s| (s.partition, s.next_offset))
-            .collect();
-        let want: BTreeMap<i32, i64> = (0..PARTITIONS).zip(ends.iter().copied()).collect();
-        assert_eq!(stored, want, "{label}: offsets stored in PostgreSQL");
-    }
-    let exactly_once = mode == Mode::Transactional;
-    let tally = ledger::check(ledger_db.pool(), &ledger, payments, exactly_once, &label).await;
+    let transactional = mode == Mode::Transactional;
+    let tally = ledger::check_run(
+        &ledger_db,
+        &ledger,
+        &group,
+        &topic,
+        &ends,
+        payments,
+        transactional,
+        &label,
+    )
+    .await;
     (figures.effects, figures.doubles) = (tally.effects, tally.doubles);
     figures.takeovers = tally.takeovers;
     figures.seconds = started.elapsed().as_secs_f64();
-    let recovered: Vec<String> = figures
-        .recovered
-        .iter()
-        .map(|s| format!("{s:.1}"))
-        .collect();
     let during: Vec<String> = figures
         .during
         .iter()
         .map(|(from, to, of)| format!("{from}→{to} of {of}"))
         .collect();
     eprintln!(
-        "{label}: faults [{}]; {} effects, {} doubles, {} effects under a takeover; {} store \
-         errors, {} fenced, {} in-progress waits, {} dead letters, {} failed commits; {} \
-         partition moves; settled during each fault [{}]; settled all {} s after each \
-         fault (the first wave, without one, in {:.1} s), committed to the end {:.1} s after the last; {} proxied connections, {} cut; \
-         {:.1} s",
+        "{label}: faults [{}]; {} effects, {} doubles, {} effects under a takeover; {}, {} \
+         failed commits; {} partition moves; settled during each fault [{}]; settled all {} \
+         s after each fault (the first wave, without one, in {:.1} s), committed to the end \
+         {:.1} s after the last; {} proxied connections, {} cut; {:.1} s",
         figures.faults.join(", "),
         figures.effects,
         figures.doubles,
         figures.takeovers,
-        figures.store_errors,
-        figures.fenced,
-        figures.in_progress_waits,
-        figures.dead_lettered,
+        figures.counters,
         figures.commit_errors,
         figures.moves,
         during.join(", "),
-        recovered.join(" / "),
+        faults::seconds(&figures.recovered),
         figures.clean_wave,
         figures.committed_after_last,
         figures.connections,
         figures.cut,
         figures.seconds
     );
-    // A row of `scripts/faults`' table: scenario, messages, faults, effects, doubles,
-    // time to recover, run time.
-    eprintln!(
-        "| broker network faults ({}), {} | {payments} | {} | {} | {} | {} s | {:.1} s |",
+    let scenario = format!(
+        "broker network faults ({}), {}",
         figures.faults.join(", "),
-        mode.label(),
-        figures.faults.len(),
-        figures.effects,
-        figures.doubles,
-        recovered.join(" / "),
-        figures.seconds
+        mode.label()
     );
+    let row = faults::Row {
+        scenario: &scenario,
+        messages: payments,
+        faults: figures.faults.len(),
+        effects: figures.effects,
+        doubles: figures.doubles,
+        recovered: &figures.recovered,
+        seconds: figures.seconds,
+    };
+    eprintln!("{row}");
     assert_eq!(figures.effects, payments + figures.doubles);
     // Every consumer holds a connection to the broker at all times: a reset that cut
     // fewer than one per consumer cut traffic that did not go through the proxy.

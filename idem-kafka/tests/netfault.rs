@@ -22,16 +22,17 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::faults::{self, Counters};
 use common::ledger::{self, payment};
 use common::proxy::{self, Faults, Proxy};
 use common::{Out, Recorder};
 use futures::FutureExt;
-use idem_core::{Backend, Context, Engine, HandlerError, Transactional};
+use idem_core::{Backend, Context, Engine, HandlerError};
 use idem_kafka::{ConsumerBuilder, IdemConsumer, Message};
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
@@ -208,12 +209,7 @@ struct Figures {
     /// Effects whose claim took over a lapsed lease.
     takeovers: usize,
     overlaps: u32,
-    /// The consumer's counters: store errors, fenced settles, waits on a key in progress,
-    /// dead letters.
-    store_errors: u64,
-    fenced: u64,
-    in_progress_waits: u64,
-    dead_lettered: u64,
+    counters: Counters,
     /// From the end of each fault until every message produced so far was settled.
     recovered: Vec<f64>,
     /// From the end of the last fault until the committed offsets reached the end.
@@ -308,64 +304,54 @@ async fn scenario(mode: Mode, in_flight: usize) {
     figures.committed_after_last = last_fault_end.elapsed().as_secs_f64();
     consumer.stop().await;
     figures.connections = proxy.accepted();
-    let count = |name| common::counter(name, &topic);
-    figures.store_errors = count(idem_kafka::metrics::STORE_ERRORS);
-    figures.fenced = count(idem_kafka::metrics::FENCED);
-    figures.in_progress_waits = count(idem_kafka::metrics::IN_PROGRESS_WAITS);
-    figures.dead_lettered = count(idem_kafka::metrics::DEAD_LETTERED);
+    figures.counters = Counters::read(&topic);
     figures.overlaps = *running.overlaps.lock().expect("lock");
 
-    if mode == Mode::Transactional {
-        let stored: BTreeMap<i32, i64> = direct
-            .stored_offsets(&group)
-            .await
-            .expect("stored offsets")
-            .into_iter()
-            .filter(|s| s.topic == topic)
-            .map(|s| (s.partition, s.next_offset))
-            .collect();
-        let want: BTreeMap<i32, i64> = (0..PARTITIONS).zip(ends.iter().copied()).collect();
-        assert_eq!(stored, want, "{label}: offsets stored in PostgreSQL");
-    }
-    let exactly_once = mode == Mode::Transactional;
-    let tally = ledger::check(direct.pool(), &ledger, PAYMENTS, exactly_once, &label).await;
+    let transactional = mode == Mode::Transactional;
+    let tally = ledger::check_run(
+        &direct,
+        &ledger,
+        &group,
+        &topic,
+        &ends,
+        PAYMENTS,
+        transactional,
+        &label,
+    )
+    .await;
     (figures.effects, figures.doubles) = (tally.effects, tally.doubles);
     figures.takeovers = tally.takeovers;
     figures.seconds = started.elapsed().as_secs_f64();
-    let recovered: Vec<String> = figures
-        .recovered
-        .iter()
-        .map(|s| format!("{s:.1}"))
-        .collect();
     eprintln!(
         "netfault ({label}): faults [{}]; {} effects, {} doubles, {} effects under a takeover, {} \
-         overlapping handlers; {} store errors, {} fenced, {} in-progress waits, {} dead \
-         letters; settled all {} s after each fault, committed to the end {:.1} s after the \
-         last; {} proxied connections; {:.1} s",
+         overlapping handlers; {}; settled all {} s after each fault, committed to the end \
+         {:.1} s after the last; {} proxied connections; {:.1} s",
         figures.faults.join(", "),
         figures.effects,
         figures.doubles,
         figures.takeovers,
         figures.overlaps,
-        figures.store_errors,
-        figures.fenced,
-        figures.in_progress_waits,
-        figures.dead_lettered,
-        recovered.join(" / "),
+        figures.counters,
+        faults::seconds(&figures.recovered),
         figures.committed_after_last,
         figures.connections,
         figures.seconds
     );
     // A row of `scripts/faults`' table.
-    eprintln!(
-        "| store network faults ({}), {label} | {PAYMENTS} | {} | {} | {} | {} s | {:.1} s |",
-        figures.faults.join(", "),
-        figures.faults.len(),
-        figures.effects,
-        figures.doubles,
-        recovered.join(" / "),
-        figures.seconds
+    let scenario = format!(
+        "store network faults ({}), {label}",
+        figures.faults.join(", ")
     );
+    let row = faults::Row {
+        scenario: &scenario,
+        messages: PAYMENTS,
+        faults: figures.faults.len(),
+        effects: figures.effects,
+        doubles: figures.doubles,
+        recovered: &figures.recovered,
+        seconds: figures.seconds,
+    };
+    eprintln!("{row}");
     common::drop_schema(&direct).await;
 }
 

@@ -2,11 +2,11 @@
 //! uniqueness (`super::postgres`), the payments, the consumers that apply them, and the one
 //! check of what the ledger holds.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Backend, HandlerError};
+use idem_core::{Backend, HandlerError, Transactional};
 use idem_kafka::{ConsumerBuilder, Message};
 use idem_postgres::PgBackend;
 
@@ -139,6 +139,34 @@ async fn pause(d: Duration) {
     if !d.is_zero() {
         tokio::time::sleep(d).await;
     }
+}
+
+/// The end of a fault run: in transactional mode the offsets `db` stores for `group`
+/// reach `ends` (partition `i` at `ends[i]`); then [`check`].
+#[allow(clippy::too_many_arguments)]
+pub async fn check_run(
+    db: &PgBackend,
+    ledger: &str,
+    group: &str,
+    topic: &str,
+    ends: &[i64],
+    payments: usize,
+    transactional: bool,
+    label: &str,
+) -> Tally {
+    if transactional {
+        let stored: BTreeMap<i32, i64> = db
+            .stored_offsets(group)
+            .await
+            .expect("stored offsets")
+            .into_iter()
+            .filter(|s| s.topic == topic)
+            .map(|s| (s.partition, s.next_offset))
+            .collect();
+        let want: BTreeMap<i32, i64> = (0..).zip(ends.iter().copied()).collect();
+        assert_eq!(stored, want, "{label}: offsets stored in PostgreSQL");
+    }
+    check(db.pool(), ledger, payments, transactional, label).await
 }
 
 /// What the ledger held.

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod broker;
+pub mod faults;
 pub mod ledger;
 pub mod proxy;
 pub mod wire;
