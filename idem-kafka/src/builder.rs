@@ -359,7 +359,8 @@ impl ConsumerBuilder {
     }
 
     /// Stops the loop when `signal` resolves: dispatching ends, in-flight handlers get
-    /// the revoke timeout, settled offsets are committed, and the client is closed.
+    /// the revoke timeout, settled offsets are committed, the consumer leaves its group
+    /// (up to 10 s more for the revoke to be served), and the client is closed.
     pub fn shutdown(mut self, signal: impl Future<Output = ()> + Send + 'static) -> Self {
         self.shutdown = Some(signal.boxed());
         self
