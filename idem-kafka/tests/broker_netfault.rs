@@ -145,15 +145,10 @@ impl Probe for Hand {
     }
 }
 
-/// What a run saw.
+/// What a run saw: the fault tests' figures, and the broker's own.
 #[derive(Debug, Default)]
 struct Figures {
-    faults: Vec<String>,
-    effects: usize,
-    doubles: usize,
-    /// Effects whose claim took over a lapsed lease.
-    takeovers: usize,
-    counters: Counters,
+    all: faults::Figures,
     /// Failed offset commits.
     commit_errors: u64,
     /// Partitions that changed hands after the first wave.
@@ -161,17 +156,14 @@ struct Figures {
     /// Of each faulted wave, how many messages had settled when its fault began and when
     /// it ended, of how many.
     during: Vec<(usize, usize, usize)>,
-    /// From the end of each fault until every message produced so far was settled.
-    recovered: Vec<f64>,
     /// For comparison, the first wave (no fault): from its first message settled to its
     /// last.
     clean_wave: f64,
-    /// From the end of the last fault until the committed offsets reached the end.
-    committed_after_last: f64,
-    connections: usize,
+    /// Connections the proxy cut.
     cut: usize,
-    seconds: f64,
 }
+
+faults::extends_figures!(Figures);
 
 async fn scenario(mode: Mode) {
     let started = Instant::now();
@@ -338,16 +330,7 @@ async fn scenario(mode: Mode) {
         figures.faults.join(", "),
         mode.label()
     );
-    let row = faults::Row {
-        scenario: &scenario,
-        messages: payments,
-        faults: figures.faults.len(),
-        effects: figures.effects,
-        doubles: figures.doubles,
-        recovered: &figures.recovered,
-        seconds: figures.seconds,
-    };
-    eprintln!("{row}");
+    eprintln!("{}", figures.row(&scenario, payments));
     assert_eq!(figures.effects, payments + figures.doubles);
     // Every consumer holds a connection to the broker at all times: a reset that cut
     // fewer than one per consumer cut traffic that did not go through the proxy.

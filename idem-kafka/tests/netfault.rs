@@ -200,23 +200,15 @@ fn is_slow(id: &str) -> bool {
         .is_some_and(|n| n % SLOW_EVERY == 0)
 }
 
-/// What a run saw, printed in one line.
+/// What a run saw, printed in one line: the fault tests' figures, and handlers of one key
+/// that ran at once.
 #[derive(Debug, Default)]
 struct Figures {
-    faults: Vec<String>,
-    effects: usize,
-    doubles: usize,
-    /// Effects whose claim took over a lapsed lease.
-    takeovers: usize,
+    all: faults::Figures,
     overlaps: u32,
-    counters: Counters,
-    /// From the end of each fault until every message produced so far was settled.
-    recovered: Vec<f64>,
-    /// From the end of the last fault until the committed offsets reached the end.
-    committed_after_last: f64,
-    connections: usize,
-    seconds: f64,
 }
+
+faults::extends_figures!(Figures);
 
 async fn scenario(mode: Mode, in_flight: usize) {
     let started = Instant::now();
@@ -342,16 +334,7 @@ async fn scenario(mode: Mode, in_flight: usize) {
         "store network faults ({}), {label}",
         figures.faults.join(", ")
     );
-    let row = faults::Row {
-        scenario: &scenario,
-        messages: PAYMENTS,
-        faults: figures.faults.len(),
-        effects: figures.effects,
-        doubles: figures.doubles,
-        recovered: &figures.recovered,
-        seconds: figures.seconds,
-    };
-    eprintln!("{row}");
+    eprintln!("{}", figures.row(&scenario, PAYMENTS));
     common::drop_schema(&direct).await;
 }
 

@@ -37,6 +37,61 @@ impl fmt::Display for Counters {
     }
 }
 
+/// What every fault test's run saw; each test adds its own figures beside these.
+#[derive(Debug, Default)]
+pub struct Figures {
+    /// Each fault, as injected.
+    pub faults: Vec<String>,
+    pub effects: usize,
+    pub doubles: usize,
+    /// Effects whose claim took over a lapsed lease.
+    pub takeovers: usize,
+    pub counters: Counters,
+    /// From the end of each fault until every message produced so far was settled.
+    pub recovered: Vec<f64>,
+    /// From the end of the last fault until the committed offsets reached the end.
+    pub committed_after_last: f64,
+    /// Connections the proxy accepted.
+    pub connections: usize,
+    pub seconds: f64,
+}
+
+impl Figures {
+    /// This run's row of `scripts/faults`' table.
+    pub fn row<'a>(&'a self, scenario: &'a str, messages: usize) -> Row<'a> {
+        Row {
+            scenario,
+            messages,
+            faults: self.faults.len(),
+            effects: self.effects,
+            doubles: self.doubles,
+            recovered: &self.recovered,
+            seconds: self.seconds,
+        }
+    }
+}
+
+/// Derefs a test's own figures, a struct whose `all` field holds [`Figures`], to them.
+#[allow(unused_macros)] // not every test binary that includes `common` uses it
+macro_rules! extends_figures {
+    ($figures:ty) => {
+        impl std::ops::Deref for $figures {
+            type Target = $crate::common::faults::Figures;
+            fn deref(&self) -> &Self::Target {
+                &self.all
+            }
+        }
+
+        impl std::ops::DerefMut for $figures {
+            fn deref_mut(&mut self) -> &mut Self::Target {
+                &mut self.all
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use extends_figures;
+
 /// Seconds, one decimal each, separated by ` / `.
 pub fn seconds(each: &[f64]) -> String {
     let each: Vec<String> = each.iter().map(|s| format!("{s:.1}")).collect();
