@@ -425,6 +425,7 @@ async fn a_key_on_two_partitions_never_runs_in_two_handlers_at_once() {
             }
         }
     };
+    common::install_metrics();
     let recorder = common::Recorder::new();
     let consumer = builder(&brokers, &topic, &unique("g"))
         .engine(engine(backend, "w1", Duration::from_millis(600)))
@@ -459,4 +460,8 @@ async fn a_key_on_two_partitions_never_runs_in_two_handlers_at_once() {
         "two handlers of one key at once: {overlaps:?}"
     );
     assert_eq!(effects.runs("pay-1"), 1, "the payment's effect ran once");
+    // The second copy waited on a key in progress here; no settle was fenced.
+    let count = |name| common::counter(name, &topic);
+    assert!(count(idem_kafka::metrics::IN_PROGRESS_WAITS) > 0, "the copy waited");
+    assert_eq!(count(idem_kafka::metrics::FENCED), 0, "nothing was fenced");
 }

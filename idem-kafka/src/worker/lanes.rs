@@ -8,6 +8,7 @@ use idem_core::backend::{ClaimOutcome, Ran, Settlement};
 use idem_core::{Engine, Outcome};
 use tokio_util::sync::CancellationToken;
 
+use super::lease::Started;
 use super::{Flow, Item, Kind, Worker};
 use crate::order::{self, Settler, Window};
 use crate::probe::Point;
@@ -86,7 +87,7 @@ impl Worker {
                 (Kind::Keyed(..), Some(ClaimOutcome::Acquired(lease))) => {
                     match self.run_handler(item, &lease).await {
                         Err(flow) => flow,
-                        Ok(Ran::Settle(settle)) => {
+                        Ok(Started::Ran(Ran::Settle(settle))) => {
                             let reply = shared.settler.submit(Settlement { lease, settle });
                             match reply.await {
                                 Ok(Ok(Outcome::Executed(_))) => {
@@ -98,7 +99,10 @@ impl Worker {
                                 Err(_) => self.interrupted().unwrap_or(Flow::Stop),
                             }
                         }
-                        Ok(Ran::Fenced) => self.resolve(item, Some(Ok(Outcome::Fenced))).await,
+                        Ok(Started::Ran(Ran::Fenced)) => {
+                            self.resolve(item, Some(Ok(Outcome::Fenced))).await
+                        }
+                        Ok(Started::Busy) => self.resolve(item, Some(Ok(self.busy_here()))).await,
                     }
                 }
                 (Kind::Keyed(..), Some(ClaimOutcome::Completed(_))) => {

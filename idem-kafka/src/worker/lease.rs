@@ -24,6 +24,15 @@ impl Pending {
     }
 }
 
+/// What came of starting a handler under a lease.
+pub(super) enum Started {
+    /// It ran (or its lease was lost meanwhile): settle this.
+    Ran(Ran),
+    /// Another handler of its key runs in this consumer: it did not start, and its lease
+    /// was handed back. The message waits as for a key in progress elsewhere.
+    Busy,
+}
+
 impl Worker {
     /// Claims the chunk, runs each acquired message's handler in order, and settles the
     /// results in one call. A message off that path is settled on its own
@@ -51,7 +60,7 @@ impl Worker {
                 (Kind::Keyed(..), Some(ClaimOutcome::Acquired(lease))) => {
                     match self.run_handler(item, &lease).await {
                         Err(flow) => flow,
-                        Ok(Ran::Settle(done @ Settle::Complete(_))) => {
+                        Ok(Started::Ran(Ran::Settle(done @ Settle::Complete(_)))) => {
                             let settlement = Settlement {
                                 lease,
                                 settle: done,
@@ -60,19 +69,20 @@ impl Worker {
                             Flow::Go
                         }
                         // Off the fast path: settle what ran before it, then this one alone.
-                        Ok(ran) => {
+                        Ok(started) => {
                             let flow = self
                                 .settle_before(chunk, &mut pending, &mut settled_to, index)
                                 .await;
-                            let first = match ran {
-                                Ran::Settle(failed) => {
+                            let first = match started {
+                                Started::Ran(Ran::Settle(failed)) => {
                                     let settlement = Settlement {
                                         lease,
                                         settle: failed,
                                     };
                                     self.settle_one(settlement).await
                                 }
-                                Ran::Fenced => Ok(Ok(Outcome::Fenced)),
+                                Started::Ran(Ran::Fenced) => Ok(Ok(Outcome::Fenced)),
+                                Started::Busy => Ok(Ok(self.busy_here())),
                             };
                             match (flow, first) {
                                 (Flow::Go, Ok(first)) => self.resolve(item, Some(first)).await,
@@ -133,20 +143,20 @@ impl Worker {
     /// Runs the handler of `item` under `lease` through the engine (heartbeats, panics,
     /// the response limit), writing nothing. `Err` when the partition was given up (the
     /// handler moves to a task of its own) or the consumer crashed.
-    pub(super) async fn run_handler(&self, item: &Item, lease: &Lease) -> Result<Ran, Flow> {
+    pub(super) async fn run_handler(&self, item: &Item, lease: &Lease) -> Result<Started, Flow> {
         let Mode::Lease(handler) = &self.settings().mode else {
-            return Ok(Ran::Settle(Settle::Fail {
+            return Ok(Started::Ran(Ran::Settle(Settle::Fail {
                 error: "no lease-mode handler".into(),
                 kind: FailureKind::Permanent,
-            }));
+            })));
         };
         // A key runs in one handler of this process at a time, whatever the store says: a
         // lease taken over from a handler still running here is handed back unused.
         let key = item.msg.key();
         let Some(runs) = key.and_then(|key| self.ctx.running.start(key)) else {
-            tracing::warn!(parent: &item.span, "the key runs in another handler here: not started");
+            tracing::debug!(parent: &item.span, "the key runs in another handler here: not started");
             self.release(lease).await;
-            return Ok(Ran::Fenced);
+            return Ok(Started::Busy);
         };
         let mut slot = None;
         let start = |ctx: Context| {
@@ -178,7 +188,7 @@ impl Worker {
             }
             _ => drop(runs),
         }
-        result
+        result.map(Started::Ran)
     }
 
     /// Hands `lease` back unused (a failure is only logged: the lease then lapses).

@@ -31,7 +31,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use idem_core::backend::{Claim, ClaimOutcome, OffsetPosition};
-use idem_core::{Engine, Timestamp};
+use idem_core::{Engine, Outcome, Timestamp};
 use tokio::sync::Semaphore;
 use tracing::Span;
 
@@ -319,6 +319,12 @@ impl Worker {
     fn running_here(&self) -> (Arc<str>, Timestamp) {
         let lease_until = Timestamp::now().saturating_add(self.engine.lease_ttl());
         (Arc::from(self.engine.owner()), lease_until)
+    }
+
+    /// [`Worker::running_here`] as the outcome a message waits on.
+    fn busy_here(&self) -> Outcome {
+        let (owner, lease_until) = self.running_here();
+        Outcome::InProgress { owner, lease_until }
     }
 
     /// Marks the messages of `range` settled, in order; says whether a probe crashed.

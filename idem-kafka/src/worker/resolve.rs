@@ -8,7 +8,7 @@ use idem_core::backend::{ClaimOutcome, Ran, Settlement};
 use idem_core::{Engine, FailureKind, HandlerError, Outcome, Timestamp, WaitPolicy};
 use tracing::Instrument;
 
-use super::lease::Pending;
+use super::lease::{Pending, Started};
 use super::{Failing, Flow, Item, Kind, Worker};
 use crate::dead_letter::Reason;
 use crate::dead_letter::write::Outgoing;
@@ -114,14 +114,10 @@ impl Worker {
                 "a keyless message has no claim",
             )));
         };
-        let running_here = || {
-            let (owner, lease_until) = self.running_here();
-            Ok(Ok(Outcome::InProgress { owner, lease_until }))
-        };
         if let Mode::Transactional(tx) = &self.settings().mode {
             // The transaction is the handler's run: its key is marked running throughout.
             let Some(_runs) = self.ctx.running.start(&claim.key) else {
-                return running_here();
+                return Ok(Ok(self.busy_here()));
             };
             let offset = item.msg.offset();
             if self.probe(Point::BeforeClaim, offset) {
@@ -143,7 +139,7 @@ impl Worker {
             return self.guarded(run.instrument(item.span.clone())).await;
         }
         if self.ctx.running.contains(&claim.key) {
-            return running_here();
+            return Ok(Ok(self.busy_here()));
         }
         let claims = std::slice::from_ref(&claim);
         let mut answers = self
@@ -157,8 +153,11 @@ impl Worker {
             Err(outcome) => return Ok(Ok(outcome)),
         };
         match self.run_handler(item, &lease).await? {
-            Ran::Fenced => Ok(Ok(Outcome::Fenced)),
-            Ran::Settle(settle) => self.settle_one(Settlement { lease, settle }).await,
+            Started::Ran(Ran::Fenced) => Ok(Ok(Outcome::Fenced)),
+            Started::Ran(Ran::Settle(settle)) => {
+                self.settle_one(Settlement { lease, settle }).await
+            }
+            Started::Busy => Ok(Ok(self.busy_here())),
         }
     }
 
