@@ -462,6 +462,9 @@ async fn a_key_on_two_partitions_never_runs_in_two_handlers_at_once() {
     assert_eq!(effects.runs("pay-1"), 1, "the payment's effect ran once");
     // The second copy waited on a key in progress here; no settle was fenced.
     let count = |name| common::counter(name, &topic);
-    assert!(count(idem_kafka::metrics::IN_PROGRESS_WAITS) > 0, "the copy waited");
+    assert!(
+        count(idem_kafka::metrics::IN_PROGRESS_WAITS) > 0,
+        "the copy waited"
+    );
     assert_eq!(count(idem_kafka::metrics::FENCED), 0, "nothing was fenced");
 }
