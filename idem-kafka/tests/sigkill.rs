@@ -399,6 +399,8 @@ struct Pool {
     /// Workers stopped cleanly during the run, reaped at the end.
     stopped: Vec<Worker>,
     killed: HashSet<u32>,
+    /// Workers whose stdout closed (they exited).
+    exited: HashSet<u32>,
     /// The group's leader as the newest JoinGroup answer named it (generation, member id).
     leader: (i32, String),
     /// Whether workers log librdkafka's group debug lines (for [`Event::Joined`]).
@@ -538,13 +540,15 @@ impl Pool {
         false
     }
 
-    /// A worker's stdout closed: fine once killed, a failure while it should be running.
-    fn exited(&self, instance: u32) {
+    /// A worker's stdout closed: fine once killed or stopped, a failure while it should
+    /// be running.
+    fn exited(&mut self, instance: u32) {
         assert!(
             !self.running.iter().any(|w| w.instance == instance),
             "worker {instance} exited on its own; its stderr is in {}",
             self.log.display()
         );
+        self.exited.insert(instance);
     }
 }
 
@@ -732,6 +736,7 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
         running: Vec::new(),
         stopped: Vec::new(),
         killed: HashSet::new(),
+        exited: HashSet::new(),
         leader: (-1, String::new()),
         group_debug: matches!(schedule, Schedule::Churn { .. }),
     };
@@ -871,7 +876,14 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
     for w in &mut pool.running {
         w.stdin = None;
     }
-    let mut left: HashSet<u32> = pool.running.iter().map(|w| w.instance).collect();
+    // Workers stopped during churn had their stdin closed long ago: none may hang either.
+    let mut left: HashSet<u32> = pool
+        .running
+        .iter()
+        .chain(&pool.stopped)
+        .map(|w| w.instance)
+        .filter(|i| !pool.exited.contains(i))
+        .collect();
     while !left.is_empty() {
         match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
             Ok(Some(Event::Exited(i))) => {
@@ -881,26 +893,15 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
                 figures.overlaps.push(format!("worker {i}: {line}"));
             }
             Ok(Some(Event::Settled(_) | Event::Joined(..))) => {}
-            Ok(None) | Err(_) => panic!("workers {left:?} did not stop within 30 s"),
+            Ok(None) | Err(_) => panic!(
+                "workers {left:?} did not stop within 30 s of their stdin closing; log {}",
+                pool.log.display()
+            ),
         }
     }
-    // Workers stopped during churn had their stdin closed long ago: none may hang.
-    let reap_by = Instant::now() + Duration::from_secs(30);
+    // Every stdout closed: each process has ended or is ending.
     for w in pool.running.iter_mut().chain(&mut pool.stopped) {
-        let status = loop {
-            match w.child.try_wait().expect("reap a worker") {
-                Some(status) => break status,
-                None if Instant::now() < reap_by => {
-                    // A child's exit has no signal to wait on with a timeout.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                None => panic!(
-                    "worker {} did not exit after its stdin closed; log {}",
-                    w.instance,
-                    pool.log.display()
-                ),
-            }
-        };
+        let status = w.child.wait().expect("reap a worker");
         assert!(
             status.success(),
             "worker {} stopped with {status}",
