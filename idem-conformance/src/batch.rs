@@ -163,6 +163,32 @@ pub async fn release_hands_back<F: Factory>(f: &F) {
         assert_eq!((held.token, held.attempts), (3 + round, 1));
     }
 
+    // A released key is claimable at once by a repeat in a batch too: the batch's first
+    // item, another payload, is answered `Mismatch` from the record, and the second takes
+    // over. Many rounds, so that on a store with a finer clock than its answers some
+    // release falls in the same millisecond as the claim after it.
+    for round in 0..40 {
+        let key = fx.key(&format!("release-batch-{round}"));
+        let held = fx.acquire(&fx.claim(&key, "a")).await;
+        b.release(&held).await.expect("release");
+        let other = idem_core::backend::Claim {
+            fingerprint: Some(idem_core::Fingerprint::of(b"other")),
+            ..fx.claim(&key, "a")
+        };
+        let answers = b
+            .claim_many(&[other, fx.claim(&key, "a")])
+            .await
+            .expect("claim_many");
+        assert!(
+            matches!(
+                answers.as_slice(),
+                [ClaimOutcome::Mismatch, ClaimOutcome::Acquired(l)]
+                    if (l.token, l.kind) == (2, ClaimKind::Takeover)
+            ),
+            "round {round}: a batch right after a release: {answers:?}"
+        );
+    }
+
     // A lapsed lease has nothing to hand back.
     fx.lapse().await;
     let res = b.release(&held).await;

@@ -15,7 +15,9 @@
 -- checks claimability again under the row lock.
 -- Written rows come back with written = true (a lapsed lease with no attempts left turns
 -- failed, claim_kind 'poisoned'); the others with written = false, and the client answers
--- from them with idem_core::machine, using now_ms. A key that conflicted in `fresh` but is
+-- from them with idem_core::machine, using now_ms, rounded up as the record's times are
+-- (claim_read.sql says why: rounded down, a repeat of a key released within the same
+-- millisecond answered InProgress). A key that conflicted in `fresh` but is
 -- not in this statement's snapshot (a concurrent first insert that committed meanwhile)
 -- comes back not at all: the client asks again.
 WITH input AS (
@@ -84,5 +86,5 @@ answer AS (
     WHERE NOT EXISTS (SELECT 1 FROM claimed d WHERE d.namespace = c.namespace AND d.id = c.id)
 )
 SELECT written, {columns},
-       floor(extract(epoch FROM now()) * 1000)::int8 AS now_ms
+       ceil(extract(epoch FROM now()) * 1000)::int8 AS now_ms
 FROM answer {commit_mode}
