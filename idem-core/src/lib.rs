@@ -3,6 +3,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod binding;
 pub mod clock;
 mod engine;
 mod error;
@@ -14,7 +15,7 @@ mod record;
 mod transactional;
 
 // The user's face: what running handlers through an engine needs. What only a backend
-// author, a broker binding or a test needs is in `backend`.
+// author or a test needs is in `backend`; what the broker bindings share, in `binding`.
 pub use backend::Backend;
 pub use engine::{Engine, EngineBuilder, Outcome, WaitPolicy};
 pub use error::{BoxError, Error, Result};
