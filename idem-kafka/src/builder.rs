@@ -14,8 +14,9 @@ use tokio::sync::Semaphore;
 
 use crate::consumer::IdemConsumer;
 use crate::handler::{DynHandler, HandlerResult};
-use crate::settings::{DeadLetterTopic, MAX_BATCH_SIZE, MissingKey, Mode, Settings, check_topic};
+use crate::settings::{DeadLetterTopic, MAX_BATCH_SIZE, Mode, Settings, check_topic};
 use crate::{Error, KeySource, Message, Probe, Result};
+use idem_core::binding::MissingKey;
 
 /// Consumer-only librdkafka properties left out of the dead-letter producer's
 /// configuration (which otherwise copies the consumer's).

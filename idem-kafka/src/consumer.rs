@@ -22,10 +22,10 @@ use crate::crash::Crash;
 use crate::dead_letter::write::Writer;
 use crate::handle::{BYTES, PartitionState, Route, WorkerHandle};
 use crate::probe::Point;
-use crate::retry::Backoff;
 use crate::settings::{Mode, Settings};
 use crate::worker::{Ctx, Worker};
 use crate::{Error, Result};
+use idem_core::binding::Backoff;
 
 /// How long one poll of the client blocks; also how quickly the poll thread notices a
 /// shutdown.

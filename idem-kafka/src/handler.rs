@@ -2,15 +2,12 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use futures::future::BoxFuture;
-use idem_core::{Context, HandlerError};
+use idem_core::Context;
 
 use crate::Message;
 
-/// What a handler's future resolves to: the response bytes stored for duplicates, or a
-/// retryable or permanent [`HandlerError`].
-pub type HandlerResult = std::result::Result<Bytes, HandlerError>;
+pub use idem_core::binding::HandlerResult;
 
 pub(crate) type DynHandler =
     Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;

@@ -17,7 +17,6 @@ pub mod metrics;
 mod order;
 mod probe;
 mod replay;
-mod retry;
 mod settings;
 mod slot;
 mod tx;
@@ -33,11 +32,12 @@ pub use dead_letter::{
 };
 pub use error::{Error, Result};
 pub use handler::HandlerResult;
+pub use idem_core::binding::MissingKey;
 pub use key::{DEFAULT_KEY_HEADER, KeyFn, KeySource};
 pub use message::Message;
 pub use order::OrderBy;
 pub use probe::{Point, Probe, Verdict};
 pub use replay::{Previous, REPLAY_NAMESPACE, Replay, Replayer, Reset, Sent};
-pub use settings::{DeadLetterTopic, MAX_BATCH_SIZE, MissingKey};
+pub use settings::{DeadLetterTopic, MAX_BATCH_SIZE};
 
 pub use rdkafka;

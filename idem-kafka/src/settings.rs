@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::Engine;
+use idem_core::binding::MissingKey;
 use rdkafka::ClientConfig;
 
 use crate::handler::DynHandler;
@@ -20,18 +21,6 @@ impl Mode {
     pub fn is_transactional(&self) -> bool {
         !matches!(self, Mode::Lease(_))
     }
-}
-
-/// What to do with a message whose key source finds no key.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum MissingKey {
-    /// Send it to the dead-letter topic (the default).
-    #[default]
-    DeadLetter,
-    /// Run the handler without a claim: no deduplication, no lease (`Context` is `None`),
-    /// logged at `warn`. A retryable error is retried in place, up to the engine's attempts;
-    /// a permanent one, or the last retry, dead-letters it.
-    Process,
 }
 
 /// Where dead letters go.

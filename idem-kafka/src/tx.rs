@@ -12,7 +12,7 @@ use idem_core::{Backend, Lease, Outcome, Transactional};
 
 use crate::Message;
 use crate::handler::HandlerResult;
-use crate::retry::Backoff;
+use idem_core::binding::Backoff;
 
 /// Asked after the claim and after the handler, with the message's offset; `true` means
 /// hang there (a crash probe).
@@ -171,7 +171,7 @@ pub(crate) fn seek_to_stored(
             Err(e) => {
                 tracing::warn!(attempt, error = %e, "reading stored offsets failed");
                 if attempt < 3 {
-                    std::thread::sleep(backoff.next());
+                    std::thread::sleep(backoff.wait());
                 }
             }
         }

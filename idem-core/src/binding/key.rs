@@ -161,6 +161,18 @@ impl<M> fmt::Debug for KeySource<M> {
     }
 }
 
+/// What to do with a message whose key source finds no key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MissingKey {
+    /// Dead-letter it (the default).
+    #[default]
+    DeadLetter,
+    /// Run the handler without a claim: no deduplication, no lease (`Context` is `None`),
+    /// logged at `warn`. A retryable error is retried in place, up to the engine's attempts;
+    /// a permanent one, or the last retry, dead-letters it.
+    Process,
+}
+
 /// What a key source found in one message.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Extracted {

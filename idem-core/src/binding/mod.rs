@@ -4,10 +4,21 @@
 //! [`Incoming`] for its message type and re-exports `KeySource<ItsMessage>` under its own
 //! name.
 
+mod backoff;
 mod key;
 mod reason;
 
-pub use key::{DEFAULT_KEY_HEADER, Extracted, Incoming, KeyFn, KeySource};
+use bytes::Bytes;
+
+use crate::HandlerError;
+
+pub use backoff::Backoff;
+
+pub use key::{DEFAULT_KEY_HEADER, Extracted, Incoming, KeyFn, KeySource, MissingKey};
 pub use reason::{
     HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_NAMESPACE, HEADER_REASON, Reason,
 };
+
+/// What a handler's future resolves to: the response bytes stored for duplicates, or a
+/// retryable or permanent [`HandlerError`].
+pub type HandlerResult = std::result::Result<Bytes, HandlerError>;

@@ -45,8 +45,9 @@ use crate::key::Extracted;
 use crate::metrics::Counters;
 use crate::order::{self, OrderBy};
 use crate::probe::Point;
-use crate::retry::Backoff;
-use crate::settings::{MissingKey, Mode, Settings};
+use crate::settings::{Mode, Settings};
+use idem_core::binding::Backoff;
+use idem_core::binding::MissingKey;
 
 /// How many messages the first chunk of a partition claims, before any handler was timed.
 const FIRST_CHUNK: usize = 16;
@@ -409,7 +410,7 @@ impl Worker {
                     }
                 },
             }
-            self.stall(backoff.next()).await?;
+            self.stall(backoff.wait()).await?;
         }
     }
 

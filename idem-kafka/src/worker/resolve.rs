@@ -50,7 +50,7 @@ impl Worker {
             let wait = match result {
                 Err(e) => {
                     self.store_error(&e);
-                    backoff.next()
+                    backoff.wait()
                 }
                 Ok(Outcome::Executed(_)) => {
                     self.counters.executed.increment(1);
@@ -82,7 +82,7 @@ impl Worker {
                     self.counters.in_progress_waits.increment(1);
                     let every = match self.engine.wait_policy() {
                         WaitPolicy::Wait { poll, .. } => poll,
-                        WaitPolicy::Return => backoff.next(),
+                        WaitPolicy::Return => backoff.wait(),
                     };
                     let until_lapse = lease_until.since(Timestamp::now());
                     let wait = every.min(until_lapse + Duration::from_millis(1));
@@ -91,7 +91,7 @@ impl Worker {
                 }
                 Ok(Outcome::Failed { attempts, error }) => {
                     tracing::debug!(parent: span, attempts, %error, "handler failed; retrying");
-                    backoff.next()
+                    backoff.wait()
                 }
                 Ok(Outcome::Fenced) => {
                     self.counters.fenced.increment(1);
@@ -205,7 +205,7 @@ impl Worker {
                     .dead_letter(item, Reason::Poisoned, error.message(), attempt)
                     .await;
             }
-            if let Err(flow) = self.stall(backoff.next()).await {
+            if let Err(flow) = self.stall(backoff.wait()).await {
                 return flow;
             }
         }
