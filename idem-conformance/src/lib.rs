@@ -7,6 +7,7 @@ pub mod cases;
 mod counting;
 mod failures;
 mod property;
+pub mod proxy;
 mod records;
 mod support;
 mod waiting;

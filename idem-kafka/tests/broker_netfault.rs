@@ -1,6 +1,6 @@
 //! Network faults between the consumers and the Kafka broker: two consumers of one group
 //! reach a tansu broker of the test's own (`IDEM_TANSU_BIN`, its log in memory) only
-//! through a TCP proxy (`common::proxy`) that the test switches while payments flow. The
+//! through a TCP proxy (`idem_conformance::proxy`) that the test switches while payments flow. The
 //! broker listens on a port of its own and advertises the proxy's address, so every
 //! client connection, to the bootstrap address and to the broker's address from metadata
 //! alike, goes through the proxy (checked first); the test's producer and offset checks go
@@ -48,7 +48,7 @@ use common::Recorder;
 use common::broker::{self, Broker};
 use common::faults::{self, Counters};
 use common::ledger::{self, Mode};
-use common::proxy::{Faults, Proxy};
+use idem_conformance::proxy::{Faults, Proxy};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use idem_kafka::{IdemConsumer, Point, Probe, Verdict};

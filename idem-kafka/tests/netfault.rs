@@ -1,5 +1,5 @@
 //! Network faults between the consumer and its store, on the real broker (tansu,
-//! `IDEM_KAFKA_BROKERS`): the store is reached through a TCP proxy (`common::proxy`) that
+//! `IDEM_KAFKA_BROKERS`): the store is reached through a TCP proxy (`idem_conformance::proxy`) that
 //! the test switches while payments flow. Four waves of payments (1,000, every fifth sent
 //! twice, the copy on another partition, so that a lapsed lease can be taken over by the
 //! copy), each wave met by a fault once the consumer has started on it:
@@ -29,9 +29,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::faults::{self, Counters};
 use common::ledger::{self, payment};
-use common::proxy::{self, Faults, Proxy};
 use common::{Out, Recorder};
 use futures::FutureExt;
+use idem_conformance::proxy::{self, Faults, Proxy};
 use idem_core::{Backend, Context, Engine, HandlerError};
 use idem_kafka::{ConsumerBuilder, IdemConsumer, Message};
 use idem_postgres::{PgBackend, PgConfig};

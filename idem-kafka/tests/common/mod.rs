@@ -4,7 +4,6 @@
 pub mod broker;
 pub mod faults;
 pub mod ledger;
-pub mod proxy;
 pub mod wire;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};

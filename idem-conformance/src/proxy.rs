@@ -1,4 +1,4 @@
-//! A TCP proxy with switches, for the network-fault tests: it listens on a free loopback
+//! A TCP proxy with switches, for network-fault tests of a backend or a broker binding: it listens on a free loopback
 //! port and forwards each connection to an upstream address, and a test turns faults on
 //! and off while traffic flows:
 //!
@@ -119,8 +119,11 @@ impl Proxy {
 /// flight in both directions; then every connection reset again, without latency; then a
 /// blackhole for `blackhole_for`.
 pub struct Faults {
+    /// The delay added to each chunk, each way, in a latency window.
     pub latency: Duration,
+    /// How long a latency window lasts.
     pub latency_for: Duration,
+    /// How long a blackhole lasts.
     pub blackhole_for: Duration,
 }
 
