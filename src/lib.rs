@@ -29,6 +29,10 @@ pub use idem_dynamo as dynamo;
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use idem_kafka as kafka;
 
+#[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
+pub use idem_rabbitmq as rabbitmq;
+
 mod registry;
 
 pub use registry::{LookupError, Registered, driver_for, drivers, open};

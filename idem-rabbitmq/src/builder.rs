@@ -1,0 +1,184 @@
+//! The consumer's builder.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use idem_core::binding::{HandlerResult, MissingKey};
+use idem_core::{Context, Engine, MemoryBackend};
+
+use crate::consumer::{DynHandler, Settings};
+use crate::{DeadLetters, Error, IdemConsumer, KeySource, Message, Probe, Result};
+
+/// Builds an [`IdemConsumer`]: [`IdemConsumer::builder`], then the queue and a handler.
+pub struct ConsumerBuilder {
+    uri: String,
+    queue: Option<String>,
+    namespace: Option<String>,
+    key_source: KeySource,
+    engine: Option<Engine>,
+    handler: Option<DynHandler>,
+    dead_letters: DeadLetters,
+    missing_key: MissingKey,
+    prefetch: u16,
+    backoff: (Duration, Duration),
+    shutdown: Option<BoxFuture<'static, ()>>,
+    probe: Option<Arc<dyn Probe>>,
+}
+
+impl IdemConsumer {
+    /// A builder for a consumer of the server at `uri` (`amqp://user:pass@host:port/vhost`,
+    /// the vhost `/` written `%2f`).
+    pub fn builder(uri: impl Into<String>) -> ConsumerBuilder {
+        ConsumerBuilder {
+            uri: uri.into(),
+            queue: None,
+            namespace: None,
+            key_source: KeySource::default(),
+            engine: None,
+            handler: None,
+            dead_letters: DeadLetters::default(),
+            missing_key: MissingKey::default(),
+            prefetch: 32,
+            backoff: (Duration::from_millis(50), Duration::from_secs(2)),
+            shutdown: None,
+            probe: None,
+        }
+    }
+}
+
+impl ConsumerBuilder {
+    /// The queue to consume (required). It must exist: the consumer does not declare it.
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.queue = Some(queue.into());
+        self
+    }
+
+    /// The keys' namespace (default: the queue's name).
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
+    }
+
+    /// Where each message's idempotency key comes from (default: the `idempotency-key`
+    /// header).
+    pub fn key_source(mut self, source: KeySource) -> Self {
+        self.key_source = source;
+        self
+    }
+
+    /// The engine: the store, leases, attempts (default: an in-memory store, which
+    /// deduplicates only within this process).
+    pub fn engine(mut self, engine: Engine) -> Self {
+        self.engine = Some(engine);
+        self
+    }
+
+    /// The handler: runs once per key under a fenced lease, given the message and the
+    /// lease's [`Context`] (`None` only for a keyless message under
+    /// [`MissingKey::Process`]). Its `Ok` bytes are stored and replayed to duplicates.
+    pub fn handler<F, Fut>(mut self, handler: F) -> Self
+    where
+        F: Fn(Message, Option<Context>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = HandlerResult> + Send + 'static,
+    {
+        self.handler = Some(Arc::new(move |m, c| handler(m, c).boxed()));
+        self
+    }
+
+    /// Where dead letters go (default: the durable queue `<queue>.dlq`).
+    pub fn dead_letters(mut self, target: DeadLetters) -> Self {
+        self.dead_letters = target;
+        self
+    }
+
+    /// What to do with a message that has no key (default: dead-letter it).
+    pub fn missing_key(mut self, policy: MissingKey) -> Self {
+        self.missing_key = policy;
+        self
+    }
+
+    /// The most deliveries the server sends before one is acked (`basic.qos`; default 32,
+    /// at least 1). Messages are handled one at a time, in order; the prefetch keeps the
+    /// next ones on their way meanwhile, and bounds what a stalled consumer holds.
+    pub fn prefetch(mut self, n: u16) -> Self {
+        self.prefetch = n.max(1);
+        self
+    }
+
+    /// The waits between retries of a store call, a dead-letter publish or a reconnect:
+    /// from `first`, doubling up to `max` (default 50 ms to 2 s).
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.backoff = (first, max.max(first));
+        self
+    }
+
+    /// Stops the consumer when `signal` resolves: it cancels its subscription, finishes the
+    /// message in hand, and closes the connection; deliveries not acked go back to the
+    /// queue.
+    pub fn shutdown(mut self, signal: impl Future<Output = ()> + Send + 'static) -> Self {
+        self.shutdown = Some(signal.boxed());
+        self
+    }
+
+    /// A probe asked at each [`Point`](crate::Point) of each delivery (crash tests).
+    pub fn probe(mut self, probe: Arc<dyn Probe>) -> Self {
+        self.probe = Some(probe);
+        self
+    }
+
+    /// The consumer, or why the settings do not work. Connects nothing yet.
+    pub fn build(self) -> Result<IdemConsumer> {
+        let queue = self
+            .queue
+            .filter(|q| !q.is_empty())
+            .ok_or_else(|| Error::Config("a queue is required".into()))?;
+        let handler = self
+            .handler
+            .ok_or_else(|| Error::Config("a handler is required".into()))?;
+        self.key_source.check().map_err(Error::Config)?;
+        if let DeadLetters::Exchange { routing_key, .. } = &self.dead_letters
+            && routing_key.is_empty()
+        {
+            return Err(Error::Config("the dead-letter routing key is empty".into()));
+        }
+        let namespace = self.namespace.unwrap_or_else(|| queue.clone());
+        idem_core::Key::new(&namespace, "x").map_err(|e| Error::Config(e.to_string()))?;
+        let engine = match self.engine {
+            Some(engine) => engine,
+            None => Engine::builder(Arc::new(MemoryBackend::new())).build()?,
+        };
+        Ok(IdemConsumer::new(
+            Settings {
+                uri: self.uri,
+                queue: queue.into(),
+                namespace,
+                key_source: self.key_source,
+                engine,
+                handler,
+                dead_letters: self.dead_letters,
+                missing_key: self.missing_key,
+                prefetch: self.prefetch,
+                backoff: self.backoff,
+                probe: self.probe,
+            },
+            self.shutdown,
+        ))
+    }
+}
+
+impl fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("queue", &self.queue)
+            .field("namespace", &self.namespace)
+            .field("key_source", &self.key_source)
+            .field("dead_letters", &self.dead_letters)
+            .field("missing_key", &self.missing_key)
+            .field("prefetch", &self.prefetch)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,222 @@
+//! The consumer: a connection, a channel to consume on and one to publish dead letters
+//! on, made again whenever they are lost, until the shutdown signal.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use idem_core::binding::{Backoff, MissingKey};
+use idem_core::{Context, Engine};
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken;
+
+use crate::handle::{Handled, Session};
+use crate::{DeadLetters, Error, KeySource, Message, Probe, Result};
+use idem_core::binding::HandlerResult;
+
+pub(crate) type DynHandler =
+    Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;
+
+/// What the builder settled on.
+pub(crate) struct Settings {
+    pub uri: String,
+    pub queue: Arc<str>,
+    pub namespace: String,
+    pub key_source: KeySource,
+    pub engine: Engine,
+    pub handler: DynHandler,
+    pub dead_letters: DeadLetters,
+    pub missing_key: MissingKey,
+    pub prefetch: u16,
+    pub backoff: (Duration, Duration),
+    pub probe: Option<Arc<dyn Probe>>,
+}
+
+/// An effectively-once consumer of one RabbitMQ queue: each delivery's key is claimed,
+/// its handler run once under a lease, its result stored, and only then is it acked (or
+/// dead-lettered, then acked). Built by [`IdemConsumer::builder`]; [`IdemConsumer::run`]
+/// runs it.
+pub struct IdemConsumer {
+    settings: Arc<Settings>,
+    shutdown: Option<BoxFuture<'static, ()>>,
+}
+
+impl std::fmt::Debug for IdemConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdemConsumer")
+            .field("queue", &self.settings.queue)
+            .field("namespace", &self.settings.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How one connection's session ended.
+enum Ended {
+    /// The shutdown signal: stop.
+    Shutdown,
+    /// A probe's crash: stop, as a dead process would.
+    Crashed,
+}
+
+impl IdemConsumer {
+    pub(crate) fn new(settings: Settings, shutdown: Option<BoxFuture<'static, ()>>) -> Self {
+        IdemConsumer {
+            settings: Arc::new(settings),
+            shutdown,
+        }
+    }
+
+    /// Consumes until the shutdown signal (or a probe's crash). A lost connection or
+    /// channel is made again after a backoff; the deliveries it had not acked come back
+    /// as redeliveries, which the store answers. Returns an error only for what a retry
+    /// cannot mend: the queue does not exist, or the server refuses the credentials at
+    /// the first connect.
+    pub async fn run(self) -> Result<()> {
+        let IdemConsumer { settings, shutdown } = self;
+        let stop = CancellationToken::new();
+        if let Some(signal) = shutdown {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                signal.await;
+                stop.cancel();
+            });
+        }
+        let mut backoff = Backoff::new(settings.backoff);
+        let mut connected_once = false;
+        loop {
+            match session(&settings, &stop, &mut connected_once).await {
+                Ok(Ended::Shutdown | Ended::Crashed) => return Ok(()),
+                Err(e @ (Error::UnknownQueue(_) | Error::Config(_))) => return Err(e),
+                Err(e) if !connected_once => return Err(e),
+                Err(e) => {
+                    tracing::warn!(queue = %settings.queue, error = %e, "connection lost; connecting again");
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff.wait()) => {}
+                        () = stop.cancelled() => return Ok(()),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One connection: consumes until the signal, a crash, or the connection's loss.
+async fn session(
+    s: &Settings,
+    stop: &CancellationToken,
+    connected_once: &mut bool,
+) -> Result<Ended> {
+    let props = ConnectionProperties::default().with_connection_name("idem-rabbitmq".into());
+    let conn = Connection::connect(&s.uri, props)
+        .await
+        .map_err(Error::amqp("connect"))?;
+    *connected_once = true;
+    let ended = consume(s, &conn, stop).await;
+    if !matches!(ended, Err(Error::Amqp { .. } | Error::Lost(_))) {
+        // Unacked deliveries go back to the queue with the connection.
+        let _ = conn.close(200, "idem consumer stopped".into()).await;
+    }
+    ended
+}
+
+async fn consume(s: &Settings, conn: &Connection, stop: &CancellationToken) -> Result<Ended> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(Error::amqp("channel"))?;
+    check_queue(conn, &s.queue).await?;
+    channel
+        .basic_qos(s.prefetch, BasicQosOptions::default())
+        .await
+        .map_err(Error::amqp("basic.qos"))?;
+    let letters = letters_channel(s, conn).await?;
+    let mut deliveries = channel
+        .basic_consume(
+            (&*s.queue).into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(Error::amqp("basic.consume"))?;
+    let tag = deliveries.tag();
+    let session = Session {
+        settings: s,
+        letters: &letters,
+        stop,
+        crash: CancellationToken::new(),
+    };
+    loop {
+        let next = tokio::select! {
+            next = deliveries.next() => next,
+            () = stop.cancelled() => {
+                let _ = channel.basic_cancel(tag.clone(), BasicCancelOptions::default()).await;
+                return Ok(Ended::Shutdown);
+            }
+        };
+        let delivery = match next {
+            Some(Ok(delivery)) => delivery,
+            Some(Err(e)) => return Err(Error::amqp("consume")(e)),
+            None => return Err(Error::Lost("the server ended the subscription".into())),
+        };
+        match session.handle(delivery).await? {
+            Handled::Acked | Handled::Left => {}
+            Handled::Crashed => return Ok(Ended::Crashed),
+        }
+    }
+}
+
+/// The channel dead letters are published on, in confirm mode, with idem's dead-letter
+/// queue declared.
+async fn letters_channel(s: &Settings, conn: &Connection) -> Result<Channel> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(Error::amqp("channel"))?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(Error::amqp("confirm.select"))?;
+    let (_, _, declare) = s.dead_letters.target(&s.queue);
+    crate::dead_letter::declare(&channel, declare.as_deref())
+        .await
+        .map_err(Error::amqp("declare the dead-letter queue"))?;
+    Ok(channel)
+}
+
+/// Whether `queue` exists: a passive declare, on a channel of its own (a failed one
+/// closes its channel).
+async fn check_queue(conn: &Connection, queue: &str) -> Result<()> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(Error::amqp("channel"))?;
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    match channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+    {
+        Ok(_) => {
+            let _ = channel.close(200, "checked".into()).await;
+            Ok(())
+        }
+        Err(e) if is_not_found(&e) => Err(Error::UnknownQueue(queue.to_owned())),
+        Err(e) => Err(Error::amqp("check the queue")(e)),
+    }
+}
+
+fn is_not_found(e: &lapin::Error) -> bool {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => amqp.get_id() == 404,
+        _ => false,
+    }
+}
