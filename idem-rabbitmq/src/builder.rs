@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use idem_core::binding::{HandlerResult, MissingKey};
 use idem_core::{Context, Engine, MemoryBackend};
 
-use crate::consumer::{DynHandler, Settings};
+use crate::consumer::{DynHandler, Mode, Settings};
 use crate::{DeadLetters, Error, IdemConsumer, KeySource, Message, Probe, Result};
 
 /// Builds an [`IdemConsumer`]: [`IdemConsumer::builder`], then the queue and a handler.
@@ -21,6 +21,7 @@ pub struct ConsumerBuilder {
     key_source: KeySource,
     engine: Option<Engine>,
     handler: Option<DynHandler>,
+    transactional: Option<Arc<dyn crate::tx::TxStore>>,
     dead_letters: DeadLetters,
     missing_key: MissingKey,
     prefetch: u16,
@@ -40,6 +41,7 @@ impl IdemConsumer {
             key_source: KeySource::default(),
             engine: None,
             handler: None,
+            transactional: None,
             dead_letters: DeadLetters::default(),
             missing_key: MissingKey::default(),
             prefetch: 32,
@@ -86,6 +88,29 @@ impl ConsumerBuilder {
         Fut: Future<Output = HandlerResult> + Send + 'static,
     {
         self.handler = Some(Arc::new(move |m, c| handler(m, c).boxed()));
+        self
+    }
+
+    /// Transactional mode, instead of [`handler`](Self::handler): the handler gets the
+    /// message, a transaction of `store` (PostgreSQL's `PgBackend`, MySQL's
+    /// `MySqlBackend`) and the lease; its writes, the key's `Completed` record and nothing
+    /// else commit together, and the delivery is acked after the commit. A crash before
+    /// the commit rolls the writes back; one between the commit and the ack redelivers
+    /// the message, which the store replays: effects in that store happen once. The
+    /// engine, if set, gives the owner, lease, attempts and retention; by default one over
+    /// `store` with the engine's defaults.
+    pub fn transactional<S, F>(mut self, store: S, handler: F) -> Self
+    where
+        S: idem_core::Transactional + 'static,
+        F: for<'t> Fn(Message, &'t mut S::Tx, idem_core::Lease) -> BoxFuture<'t, HandlerResult>
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.transactional = Some(Arc::new(crate::tx::Bound {
+            store: Arc::new(store),
+            handler: Arc::new(handler),
+        }));
         self
     }
 
@@ -136,9 +161,23 @@ impl ConsumerBuilder {
             .queue
             .filter(|q| !q.is_empty())
             .ok_or_else(|| Error::Config("a queue is required".into()))?;
-        let handler = self
-            .handler
-            .ok_or_else(|| Error::Config("a handler is required".into()))?;
+        let mode = match (self.handler, self.transactional) {
+            (Some(handler), None) => Mode::Lease(handler),
+            (None, Some(store)) => Mode::Transactional(store),
+            (None, None) => return Err(Error::Config("a handler is required".into())),
+            (Some(_), Some(_)) => {
+                return Err(Error::Config(
+                    "a handler and transactional mode: give one of them".into(),
+                ));
+            }
+        };
+        if matches!(mode, Mode::Transactional(_)) && self.missing_key == MissingKey::Process {
+            return Err(Error::Config(
+                "transactional mode needs a key for every message: MissingKey::Process is \
+                 not available"
+                    .into(),
+            ));
+        }
         self.key_source.check().map_err(Error::Config)?;
         if let DeadLetters::Exchange { routing_key, .. } = &self.dead_letters
             && routing_key.is_empty()
@@ -147,9 +186,10 @@ impl ConsumerBuilder {
         }
         let namespace = self.namespace.unwrap_or_else(|| queue.clone());
         idem_core::Key::new(&namespace, "x").map_err(|e| Error::Config(e.to_string()))?;
-        let engine = match self.engine {
-            Some(engine) => engine,
-            None => Engine::builder(Arc::new(MemoryBackend::new())).build()?,
+        let engine = match (self.engine, &mode) {
+            (Some(engine), _) => engine,
+            (None, Mode::Transactional(store)) => Engine::builder(store.backend()).build()?,
+            (None, Mode::Lease(_)) => Engine::builder(Arc::new(MemoryBackend::new())).build()?,
         };
         Ok(IdemConsumer::new(
             Settings {
@@ -158,7 +198,7 @@ impl ConsumerBuilder {
                 namespace,
                 key_source: self.key_source,
                 engine,
-                handler,
+                mode,
                 dead_letters: self.dead_letters,
                 missing_key: self.missing_key,
                 prefetch: self.prefetch,

@@ -23,6 +23,14 @@ use idem_core::binding::HandlerResult;
 pub(crate) type DynHandler =
     Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;
 
+/// How a keyed message runs.
+pub(crate) enum Mode {
+    /// The handler under a lease; the engine stores its result.
+    Lease(DynHandler),
+    /// The handler's writes and the record in one transaction of this store.
+    Transactional(Arc<dyn crate::tx::TxStore>),
+}
+
 /// What the builder settled on.
 pub(crate) struct Settings {
     pub uri: String,
@@ -30,7 +38,7 @@ pub(crate) struct Settings {
     pub namespace: String,
     pub key_source: KeySource,
     pub engine: Engine,
-    pub handler: DynHandler,
+    pub mode: Mode,
     pub dead_letters: DeadLetters,
     pub missing_key: MissingKey,
     pub prefetch: u16,

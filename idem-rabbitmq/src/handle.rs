@@ -16,7 +16,7 @@ use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::Settings;
+use crate::consumer::{Mode, Settings};
 use crate::dead_letter::Letter;
 use crate::{Error, Message, Point, Result, Verdict};
 
@@ -104,11 +104,8 @@ impl Session<'_> {
             if self.crashes_at(Point::BeforeClaim, msg) {
                 return Step::Crashed;
             }
-            let run = s
-                .engine
-                .execute(key, msg.payload(), |ctx| self.run_handler(msg, Some(ctx)));
             let answer = tokio::select! {
-                answer = run => answer,
+                answer = self.run_keyed(msg, key) => answer,
                 () = self.crash.cancelled() => return Step::Crashed,
             };
             match answer {
@@ -127,6 +124,35 @@ impl Session<'_> {
             }
             if !self.pause(backoff.wait()).await {
                 return Step::Left;
+            }
+        }
+    }
+
+    /// One try of a keyed message: the engine around the handler, or the store's
+    /// transaction.
+    async fn run_keyed(&self, msg: &Message, key: &Key) -> idem_core::Result<Outcome> {
+        let s = self.settings;
+        match &s.mode {
+            Mode::Lease(_) => {
+                let run = |ctx| self.run_handler(msg, Some(ctx));
+                s.engine.execute(key, msg.payload(), run).await
+            }
+            Mode::Transactional(store) => {
+                let claim = s.engine.claim_for(key, msg.payload());
+                let probe = s.probe.clone();
+                let crash = self.crash.clone();
+                let after_effect: crate::tx::Hook = Arc::new(move |m: &Message| {
+                    if probe
+                        .as_ref()
+                        .is_some_and(|p| p.reached(Point::AfterEffect, m) == Verdict::Crash)
+                    {
+                        crash.cancel();
+                    }
+                    crash.is_cancelled()
+                });
+                store
+                    .run(&claim, s.engine.retention(), msg.clone(), after_effect)
+                    .await
             }
         }
     }
@@ -168,7 +194,12 @@ impl Session<'_> {
         msg: &Message,
         ctx: Option<idem_core::Context>,
     ) -> idem_core::binding::HandlerResult {
-        let result = (self.settings.handler)(msg.clone(), ctx).await;
+        let Mode::Lease(handler) = &self.settings.mode else {
+            return Err(idem_core::HandlerError::permanent(
+                "transactional mode runs no handler outside a transaction",
+            ));
+        };
+        let result = handler(msg.clone(), ctx).await;
         if self.crashes_at(Point::AfterEffect, msg) {
             std::future::pending::<()>().await;
         }

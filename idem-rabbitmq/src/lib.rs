@@ -9,6 +9,7 @@ mod error;
 mod handle;
 mod message;
 mod probe;
+mod tx;
 
 use idem_core::binding;
 
