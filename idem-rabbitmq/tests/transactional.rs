@@ -69,7 +69,7 @@ fn consumer(
                     .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
                     .execute(&mut **tx)
                     .await
-                    .map_err(|e| idem_core::HandlerError::retry(e))?;
+                    .map_err(idem_core::HandlerError::retry)?;
                 Ok(Bytes::from_static(b"booked"))
             }
             .boxed()
