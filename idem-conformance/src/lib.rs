@@ -6,6 +6,7 @@ mod batch;
 pub mod cases;
 mod counting;
 mod failures;
+pub mod process;
 mod property;
 pub mod proxy;
 mod records;

@@ -597,7 +597,11 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
     let group = common::unique("sigkill-group");
     let dlq = format!("{topic}.dlq");
     common::create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
-    let example = common::build_example("worker");
+    let example = idem_conformance::process::build_example(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+        "idem-kafka",
+        "worker",
+    );
     // The store, as the workers reach it (`--store`) and as this test reads it.
     let mut mysql_schema = None;
     let (store_url, store): (String, std::sync::Arc<dyn Backend>) = match mode {

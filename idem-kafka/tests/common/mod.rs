@@ -591,33 +591,3 @@ impl Effects {
         }
     }
 }
-
-/// Builds one of idem-kafka's examples. The package variables cargo sets for this test are
-/// removed first: build scripts that watch them (ring's does) would otherwise see them
-/// change, and this build and the next `cargo test` would each rebuild ring and all that
-/// depends on it.
-pub fn build_example(name: &str) -> escargot::CargoRun {
-    let mut build = escargot::CargoBuild::new()
-        .manifest_path(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"))
-        .package("idem-kafka")
-        .example(name);
-    for (var, _) in std::env::vars_os() {
-        let set_for_tests = var.to_str().is_some_and(|n| {
-            [
-                "CARGO_PKG_",
-                "CARGO_MANIFEST_",
-                "CARGO_CRATE_",
-                "CARGO_PRIMARY_",
-            ]
-            .iter()
-            .any(|p| n.starts_with(p))
-                || n == "CARGO_TARGET_TMPDIR"
-        });
-        if set_for_tests {
-            build = build.env_remove(var);
-        }
-    }
-    build
-        .run()
-        .unwrap_or_else(|e| panic!("build the {name} example: {e}"))
-}
