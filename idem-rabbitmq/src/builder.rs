@@ -25,6 +25,7 @@ pub struct ConsumerBuilder {
     dead_letters: DeadLetters,
     missing_key: MissingKey,
     prefetch: u16,
+    in_flight: usize,
     backoff: (Duration, Duration),
     shutdown: Option<BoxFuture<'static, ()>>,
     probe: Option<Arc<dyn Probe>>,
@@ -45,6 +46,7 @@ impl IdemConsumer {
             dead_letters: DeadLetters::default(),
             missing_key: MissingKey::default(),
             prefetch: 32,
+            in_flight: 1,
             backoff: (Duration::from_millis(50), Duration::from_secs(2)),
             shutdown: None,
             probe: None,
@@ -127,10 +129,18 @@ impl ConsumerBuilder {
     }
 
     /// The most deliveries the server sends before one is acked (`basic.qos`; default 32,
-    /// at least 1). Messages are handled one at a time, in order; the prefetch keeps the
-    /// next ones on their way meanwhile, and bounds what a stalled consumer holds.
+    /// at least 1, and at least [`in_flight`](Self::in_flight)). It keeps the next
+    /// deliveries on their way while others run, and bounds what a stalled consumer holds.
     pub fn prefetch(mut self, n: u16) -> Self {
         self.prefetch = n.max(1);
+        self
+    }
+
+    /// How many deliveries run at once (default 1: one at a time, in the order they
+    /// came). Deliveries of one idempotency key still run one at a time, in the order they
+    /// came; each is acked once settled, whatever the others do.
+    pub fn in_flight(mut self, n: usize) -> Self {
+        self.in_flight = n.max(1);
         self
     }
 
@@ -201,7 +211,10 @@ impl ConsumerBuilder {
                 mode,
                 dead_letters: self.dead_letters,
                 missing_key: self.missing_key,
-                prefetch: self.prefetch,
+                prefetch: self
+                    .prefetch
+                    .max(u16::try_from(self.in_flight).unwrap_or(u16::MAX)),
+                in_flight: self.in_flight,
                 backoff: self.backoff,
                 probe: self.probe,
             },
@@ -219,6 +232,7 @@ impl fmt::Debug for ConsumerBuilder {
             .field("dead_letters", &self.dead_letters)
             .field("missing_key", &self.missing_key)
             .field("prefetch", &self.prefetch)
+            .field("in_flight", &self.in_flight)
             .finish_non_exhaustive()
     }
 }

@@ -1,22 +1,25 @@
 //! The consumer: a connection, a channel to consume on and one to publish dead letters
 //! on, made again whenever they are lost, until the shutdown signal.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use idem_core::binding::{Backoff, MissingKey};
-use idem_core::{Context, Engine};
+use idem_core::{Context, Engine, Key};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::handle::{Handled, Session};
+use crate::handle::{Handled, Received, Session};
 use crate::{DeadLetters, Error, KeySource, Message, Probe, Result};
 use idem_core::binding::HandlerResult;
 
@@ -42,6 +45,7 @@ pub(crate) struct Settings {
     pub dead_letters: DeadLetters,
     pub missing_key: MissingKey,
     pub prefetch: u16,
+    pub in_flight: usize,
     pub backoff: (Duration, Duration),
     pub probe: Option<Arc<dyn Probe>>,
 }
@@ -116,7 +120,7 @@ impl IdemConsumer {
 
 /// One connection: consumes until the signal, a crash, or the connection's loss.
 async fn session(
-    s: &Settings,
+    s: &Arc<Settings>,
     stop: &CancellationToken,
     connected_once: &mut bool,
 ) -> Result<Ended> {
@@ -133,7 +137,7 @@ async fn session(
     ended
 }
 
-async fn consume(s: &Settings, conn: &Connection, stop: &CancellationToken) -> Result<Ended> {
+async fn consume(s: &Arc<Settings>, conn: &Connection, stop: &CancellationToken) -> Result<Ended> {
     let channel = conn
         .create_channel()
         .await
@@ -155,17 +159,29 @@ async fn consume(s: &Settings, conn: &Connection, stop: &CancellationToken) -> R
         .map_err(Error::amqp("basic.consume"))?;
     let tag = deliveries.tag();
     let session = Session {
-        settings: s,
-        letters: &letters,
-        stop,
+        settings: Arc::clone(s),
+        letters,
+        stop: stop.clone(),
         crash: CancellationToken::new(),
     };
+    let mut lanes = Lanes::new(s.in_flight);
     loop {
+        // A slot first: at most `in_flight` deliveries are taken from the channel.
+        let slots = Arc::clone(&lanes.slots);
+        let slot = tokio::select! {
+            slot = slot(slots) => slot,
+            () = stop.cancelled() => break,
+            ended = lanes.next_done() => {
+                if let Some(ended) = ended? { return Ok(ended); }
+                continue;
+            }
+        };
         let next = tokio::select! {
             next = deliveries.next() => next,
-            () = stop.cancelled() => {
-                let _ = channel.basic_cancel(tag.clone(), BasicCancelOptions::default()).await;
-                return Ok(Ended::Shutdown);
+            () = stop.cancelled() => break,
+            ended = lanes.next_done() => {
+                if let Some(ended) = ended? { return Ok(ended); }
+                continue;
             }
         };
         let delivery = match next {
@@ -173,9 +189,94 @@ async fn consume(s: &Settings, conn: &Connection, stop: &CancellationToken) -> R
             Some(Err(e)) => return Err(Error::amqp("consume")(e)),
             None => return Err(Error::Lost("the server ended the subscription".into())),
         };
-        match session.handle(delivery).await? {
-            Handled::Acked | Handled::Left => {}
-            Handled::Crashed => return Ok(Ended::Crashed),
+        let received = session.receive(delivery);
+        lanes.run(&session, received, slot);
+    }
+    // The shutdown: no more deliveries; those in hand finish (or are left unacked).
+    let _ = channel
+        .basic_cancel(tag, BasicCancelOptions::default())
+        .await;
+    while !lanes.is_empty() {
+        if let Some(ended) = lanes.next_done().await? {
+            return Ok(ended);
+        }
+    }
+    Ok(Ended::Shutdown)
+}
+
+/// A free slot of `slots`, when one is.
+async fn slot(slots: Arc<Semaphore>) -> OwnedSemaphorePermit {
+    match slots.acquire_owned().await {
+        Ok(permit) => permit,
+        // The semaphore is never closed.
+        Err(_) => std::future::pending().await,
+    }
+}
+
+/// The deliveries in hand, each on a task of its own: at most `in_flight` at once, and
+/// those of one key one at a time, in the order they came (a lane per key).
+struct Lanes {
+    slots: Arc<Semaphore>,
+    tasks: JoinSet<(u64, Option<Key>, Result<Handled>)>,
+    /// The last delivery of each key in hand: its number, and a signal set when it is done.
+    last: HashMap<Key, (u64, watch::Receiver<bool>)>,
+    next_id: u64,
+}
+
+impl Lanes {
+    fn new(in_flight: usize) -> Self {
+        Lanes {
+            slots: Arc::new(Semaphore::new(in_flight.max(1))),
+            tasks: JoinSet::new(),
+            last: HashMap::new(),
+            next_id: 0,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    /// Runs `received` on a task of its own, after the delivery of its key before it.
+    fn run(&mut self, session: &Session, received: Received, slot: OwnedSemaphorePermit) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let key = received.lane();
+        let (done, done_rx) = watch::channel(false);
+        let before = key.as_ref().and_then(|k| {
+            let before = self.last.get(k).map(|(_, rx)| rx.clone());
+            self.last.insert(k.clone(), (id, done_rx));
+            before
+        });
+        let session = session.clone();
+        self.tasks.spawn(async move {
+            if let Some(mut before) = before {
+                // Done, or its task is gone: either way this one may run.
+                let _ = before.wait_for(|done| *done).await;
+            }
+            let handled = session.handle(received).await;
+            let _ = done.send(true);
+            drop(slot);
+            (id, key, handled)
+        });
+    }
+
+    /// Waits for a delivery's task to end: `Some` when the session must end (a crash),
+    /// an error when the connection is lost. Pending while no task runs.
+    async fn next_done(&mut self) -> Result<Option<Ended>> {
+        let Some(joined) = self.tasks.join_next().await else {
+            return std::future::pending().await;
+        };
+        let (id, key, handled) =
+            joined.map_err(|e| Error::Lost(format!("a delivery's task ended: {e}")))?;
+        if let Some(key) = key
+            && self.last.get(&key).is_some_and(|(last, _)| *last == id)
+        {
+            self.last.remove(&key);
+        }
+        match handled? {
+            Handled::Acked | Handled::Left => Ok(None),
+            Handled::Crashed => Ok(Some(Ended::Crashed)),
         }
     }
 }

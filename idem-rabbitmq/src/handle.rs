@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use idem_core::binding::{Backoff, Extracted, MissingKey, Reason};
 use idem_core::{FailureKind, Key, Outcome};
-use lapin::Channel;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
+use lapin::{Acker, Channel};
 use tokio_util::sync::CancellationToken;
 
 use crate::consumer::{Mode, Settings};
@@ -39,27 +39,53 @@ enum Step {
     Lost(String),
 }
 
-/// What a session's deliveries share.
-pub(crate) struct Session<'a> {
-    pub settings: &'a Settings,
-    pub letters: &'a Channel,
-    pub stop: &'a CancellationToken,
+/// What a session's deliveries share: cheap to clone into each delivery's task.
+#[derive(Clone)]
+pub(crate) struct Session {
+    pub settings: Arc<Settings>,
+    pub letters: Channel,
+    pub stop: CancellationToken,
     pub crash: CancellationToken,
 }
 
-impl Session<'_> {
-    /// Settles `delivery` and acks it.
-    pub async fn handle(&self, delivery: Delivery) -> Result<Handled> {
-        let s = self.settings;
+/// A delivery with what its key source found.
+pub(crate) struct Received {
+    msg: Message,
+    acker: Acker,
+    found: Extracted,
+}
+
+impl Received {
+    /// The key whose deliveries run one at a time, in the order they came: the
+    /// idempotency key, if the message has one.
+    pub fn lane(&self) -> Option<Key> {
+        match &self.found {
+            Extracted::Key(key) => Some(key.clone()),
+            _ => None,
+        }
+    }
+}
+
+impl Session {
+    /// Reads `delivery`'s key.
+    pub fn receive(&self, delivery: Delivery) -> Received {
+        let s = &*self.settings;
         let acker = delivery.acker.clone();
         let msg = Message::from_delivery(Arc::clone(&s.queue), delivery);
-        let step = match s.key_source.extract(&s.namespace, &msg) {
-            Extracted::Key(key) => {
-                let msg = msg.with_key(key.clone());
-                return self
-                    .finish(&msg, self.keyed(&msg, &key).await, &acker)
-                    .await;
-            }
+        let found = s.key_source.extract(&s.namespace, &msg);
+        let msg = match &found {
+            Extracted::Key(key) => msg.with_key(key.clone()),
+            _ => msg,
+        };
+        Received { msg, acker, found }
+    }
+
+    /// Settles a received delivery and acks it.
+    pub async fn handle(&self, received: Received) -> Result<Handled> {
+        let s = &*self.settings;
+        let Received { msg, acker, found } = received;
+        let step = match found {
+            Extracted::Key(key) => self.keyed(&msg, &key).await,
             Extracted::Missing if s.missing_key == MissingKey::Process => self.unkeyed(&msg).await,
             Extracted::Missing => {
                 let why = format!("no key ({:?})", s.key_source);
@@ -95,7 +121,7 @@ impl Session<'_> {
     /// Runs the handler under the engine until the key is settled: executed, replayed,
     /// or dead-lettered as poisoned or mismatched.
     async fn keyed(&self, msg: &Message, key: &Key) -> Step {
-        let s = self.settings;
+        let s = &*self.settings;
         let mut backoff = Backoff::new(s.backoff);
         loop {
             if self.stop.is_cancelled() {
@@ -131,7 +157,7 @@ impl Session<'_> {
     /// One try of a keyed message: the engine around the handler, or the store's
     /// transaction.
     async fn run_keyed(&self, msg: &Message, key: &Key) -> idem_core::Result<Outcome> {
-        let s = self.settings;
+        let s = &*self.settings;
         match &s.mode {
             Mode::Lease(_) => {
                 let run = |ctx| self.run_handler(msg, Some(ctx));
@@ -161,7 +187,7 @@ impl Session<'_> {
     /// place up to the engine's attempts; a permanent failure or the last one
     /// dead-letters it.
     async fn unkeyed(&self, msg: &Message) -> Step {
-        let s = self.settings;
+        let s = &*self.settings;
         tracing::warn!(queue = %s.queue, "a message with no key runs without deduplication");
         let mut backoff = Backoff::new(s.backoff);
         let max = s.engine.max_attempts().max(1);
@@ -208,7 +234,7 @@ impl Session<'_> {
 
     /// Publishes `msg`'s dead letter until the server confirms it.
     async fn dead(&self, msg: &Message, reason: Reason, error: &str, attempts: u32) -> Step {
-        let s = self.settings;
+        let s = &*self.settings;
         tracing::warn!(queue = %s.queue, key = ?msg.key(), reason = reason.as_str(), error, "dead-lettering");
         let (exchange, routing_key, _) = s.dead_letters.target(&s.queue);
         let letter = Letter {
@@ -219,7 +245,7 @@ impl Session<'_> {
         };
         let mut backoff = Backoff::new(s.backoff);
         loop {
-            match letter.publish(self.letters, &exchange, &routing_key).await {
+            match letter.publish(&self.letters, &exchange, &routing_key).await {
                 Ok(()) => return Step::Settled,
                 Err(why) if !self.letters.status().connected() => return Step::Lost(why),
                 Err(why) => {

@@ -310,3 +310,98 @@ fn settings_that_cannot_work_are_refused_at_build() {
         .build();
     assert!(matches!(pointer, Err(idem_rabbitmq::Error::Config(m)) if m.contains("JSON pointer")));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_runs_keys_at_once_and_each_key_alone_in_order() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let conn = common::connect().await;
+    let q = Queue::fresh(&conn, "lanes").await;
+    // A key's copies next to each other: without lanes they would run at once, and all
+    // but one would find the key in progress and ask again.
+    for k in 0..16 {
+        for copy in 0..3 {
+            let payload = format!("charge {k} copy {copy}");
+            q.publish(Some(format!("pay-{k}").as_bytes()), payload.as_bytes())
+                .await;
+        }
+    }
+    let running = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let keys_running = Arc::new(Mutex::new(std::collections::HashSet::new()));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    let (effects, watch, stop) = (Effects::default(), Watch::new(), CancellationToken::new());
+    let h = (
+        effects.clone(),
+        running.clone(),
+        most.clone(),
+        keys_running.clone(),
+        overlaps.clone(),
+        ran.clone(),
+    );
+    // The fingerprint is off: the copies' payloads differ, and each copy after the first
+    // replays.
+    let engine = Engine::builder(Arc::new(MemoryBackend::new()))
+        .fingerprint(false)
+        .build()
+        .expect("engine");
+    let consumer = IdemConsumer::builder(common::url())
+        .queue(&q.name)
+        .engine(engine)
+        .in_flight(8)
+        .probe(watch.clone())
+        .shutdown(stop.clone().cancelled_owned())
+        .handler(move |m, _| {
+            let (effects, running, most, keys, overlaps, ran) = h.clone();
+            async move {
+                let id = m.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                if !keys.lock().expect("lock").insert(id.clone()) {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                // The handler's work.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                keys.lock().expect("lock").remove(&id);
+                effects.record(&m);
+                ran.lock()
+                    .expect("lock")
+                    .push(String::from_utf8_lossy(m.payload()).into_owned());
+                Ok(Bytes::copy_from_slice(m.payload()))
+            }
+        })
+        .build()
+        .expect("build");
+    let run = tokio::spawn(consumer.run());
+    watch.acked(48, WITHIN).await;
+    stop.cancel();
+    run.await.expect("join").expect("run");
+    assert!(most.load(Ordering::SeqCst) > 1, "handlers ran at once");
+    assert!(
+        most.load(Ordering::SeqCst) <= 8,
+        "at most in_flight at once"
+    );
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "a key ran in two handlers at once"
+    );
+    for k in 0..16 {
+        assert_eq!(effects.of(&format!("pay-{k}")), 1, "pay-{k}");
+    }
+    assert_eq!(
+        watch.claims.load(Ordering::SeqCst),
+        48,
+        "each delivery claimed once: none found its key in progress"
+    );
+    let ran = ran.lock().expect("lock").clone();
+    assert!(
+        ran.iter().all(|p| p.ends_with("copy 0")),
+        "each key's first copy ran, its later copies replayed it: {ran:?}"
+    );
+    assert_eq!(q.ready(&q.name).await, 0);
+    q.delete().await;
+}
