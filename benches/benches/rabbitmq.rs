@@ -130,12 +130,11 @@ fn key_of(props: &BasicProperties) -> Option<Vec<u8>> {
 /// A hand-written consumer of `queue`: per delivery `check` (true: handle it), the
 /// handler, `record`, then the ack. Returns the time from the first delivery to the n-th
 /// ack.
-async fn hand_loop(
-    conn: &Connection,
-    queue: &str,
-    n: usize,
-    mut store: Option<ConnectionManager>,
-) -> Duration {
+async fn hand_loop(queue: &str, n: usize, mut store: Option<ConnectionManager>) -> Duration {
+    // A connection of its own, as each idem consumer has.
+    let conn = Connection::connect(&url(), ConnectionProperties::default())
+        .await
+        .expect("connect");
     let ch: Channel = conn.create_channel().await.expect("channel");
     ch.basic_qos(PREFETCH, BasicQosOptions::default())
         .await
@@ -192,7 +191,7 @@ async fn hand_loop(
         d.ack(BasicAckOptions::default()).await.expect("ack");
     }
     let took = first.map_or(Duration::ZERO, |f| f.elapsed());
-    let _ = ch.close(200, "done".into()).await;
+    let _ = conn.close(200, "done".into()).await;
     took
 }
 
@@ -341,19 +340,17 @@ fn rabbitmq(c: &mut Criterion) {
             });
         };
     let n = 10_000;
-    let plain = conn.clone();
     case("bare", n, &move |q| {
-        let conn = plain.clone();
-        Box::pin(async move { hand_loop(&conn, &q, n, None).await })
+        Box::pin(async move { hand_loop(&q, n, None).await })
     });
     case("idem_memory", n, &move |q| {
         Box::pin(async move { idem_loop(&q, n, Arc::new(MemoryBackend::new())).await })
     });
     if let Some((backend, raw)) = &stores.redis {
-        let (plain, raw) = (conn.clone(), raw.clone());
+        let raw = raw.clone();
         case("dedup_redis", n, &move |q| {
-            let (conn, raw) = (plain.clone(), raw.clone());
-            Box::pin(async move { hand_loop(&conn, &q, n, Some(raw)).await })
+            let raw = raw.clone();
+            Box::pin(async move { hand_loop(&q, n, Some(raw)).await })
         });
         let backend = backend.clone();
         case("idem_redis", n, &move |q| {
