@@ -209,6 +209,10 @@ pub struct DemoArgs {
     /// The idem side's backend URL.
     #[arg(long, short = 'b', value_name = "URL", default_value = "memory:")]
     pub backend: String,
+    /// Play it on this RabbitMQ server (`amqp://user:pass@host:5672/%2f`) instead of
+    /// the in-process Kafka cluster: two queues of the run's own, deleted at the end.
+    #[arg(long, value_name = "AMQP_URL")]
+    pub broker: Option<String>,
     /// Test hook: crash the idem side after a charge and before idem records it (the case
     /// a lease cannot cover), so that it charges twice and the run must fail.
     #[arg(

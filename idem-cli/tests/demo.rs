@@ -1,5 +1,6 @@
 //! `idem demo` plays the failure on an in-process MockCluster: the naive consumer charges
-//! payments twice, the idem consumer never does, and a forced double charge fails the run.
+//! payments twice, the idem consumer never does, and a forced double charge fails the run;
+//! with `--broker` the same on a real RabbitMQ (`IDEM_RABBITMQ_URL`).
 
 mod common;
 
@@ -151,5 +152,54 @@ fn bad_demo_flags_are_refused() {
     assert!(
         err.contains("--duplicates cannot exceed --messages"),
         "{err}"
+    );
+}
+
+#[test]
+fn on_rabbitmq_naive_charges_twice_and_idem_charges_once() {
+    let url = idem_conformance::service_env("IDEM_RABBITMQ_URL");
+    let out = demo(
+        &[
+            "--broker",
+            &url,
+            "--messages",
+            "300",
+            "--duplicates",
+            "30",
+            "--crashes",
+            "2",
+        ],
+        false,
+    );
+    let (report, err) = text(&out);
+    assert!(out.status.success(), "{report}\n{err}");
+    let line = |side: &str| -> Vec<u64> {
+        let line = report
+            .lines()
+            .find(|l| l.starts_with(side))
+            .unwrap_or_else(|| panic!("no {side} line in:\n{report}"));
+        line.split(|c: char| !c.is_ascii_digit())
+            .filter_map(|n| n.parse().ok())
+            .collect()
+    };
+    // "<side> (…): <crashes> crashes, <payments> payments charged <charges> times, <twice> …"
+    let naive = line("naive");
+    let idem = line("idem (");
+    let tail = |v: &[u64]| v[v.len() - 4..].to_vec();
+    let (n, i) = (tail(&naive), tail(&idem));
+    assert_eq!((n[0], i[0]), (2, 2), "each side crashed twice:\n{report}");
+    assert_eq!(
+        (n[1], i[1]),
+        (300, 300),
+        "each side charged every payment:\n{report}"
+    );
+    assert!(
+        n[3] > 30,
+        "the naive side charged more than the duplicates twice:\n{report}"
+    );
+    assert_eq!(
+        (i[2], i[3]),
+        (300, 0),
+        "idem charged each payment once:\n{report}"
     );
 }

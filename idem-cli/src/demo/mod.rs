@@ -8,6 +8,8 @@
 //! the backend of `--backend`) crashes after a charge is recorded and before its offset is
 //! committed, so the redelivered messages are answered from the store.
 
+#[cfg(feature = "rabbitmq")]
+mod amqp;
 mod idem_side;
 mod naive;
 mod plan;
@@ -42,6 +44,9 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
         .get(&probe)
         .await
         .store(format!("the idem side's backend {target}"))?;
+    if let Some(url) = &args.broker {
+        return on_rabbitmq(url, args, backend, &target.to_string()).await;
+    }
     let counters = Counters::install()?;
 
     let cluster = MockCluster::new(1).map_err(|e| Error::Refused(format!("MockCluster: {e}")))?;
@@ -100,6 +105,26 @@ pub async fn run(args: &DemoArgs) -> Result<()> {
         0 => Ok(()),
         n => Err(Error::DoubleCharge(u64::from(n))),
     }
+}
+
+/// The demo on a RabbitMQ server.
+#[cfg(feature = "rabbitmq")]
+async fn on_rabbitmq(
+    url: &str,
+    args: &DemoArgs,
+    backend: Arc<dyn idem_core::Backend>,
+    label: &str,
+) -> Result<()> {
+    let plan = Plan::new(args.messages, args.duplicates);
+    amqp::run(url, &plan, args.crashes, backend, label).await
+}
+
+#[cfg(not(feature = "rabbitmq"))]
+async fn on_rabbitmq(_: &str, _: &DemoArgs, _: Arc<dyn idem_core::Backend>, _: &str) -> Result<()> {
+    Err(Error::FeatureMissing {
+        what: "idem demo --broker".into(),
+        feature: "rabbitmq",
+    })
 }
 
 fn bar(name: &str, total: u64) -> ProgressBar {
