@@ -1,30 +1,11 @@
-//! The bytes of fetched messages the consumer holds, across its partitions and per
-//! partition, and the ticket each message carries until it is dropped.
+//! The bytes of fetched messages the consumer holds per partition, counted in the
+//! consumer's [`Budget`] too, and the ticket each message carries until it is dropped.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use idem_core::binding::Budget;
 use metrics::Gauge;
-
-/// The bytes of fetched messages the consumer holds (routed to a worker, and not dropped
-/// yet: waiting, running or settling), across its partitions, and their bound.
-pub(crate) struct Budget {
-    pub bound: usize,
-    held: AtomicUsize,
-}
-
-impl Budget {
-    pub fn new(bound: usize) -> Arc<Budget> {
-        Arc::new(Budget {
-            bound,
-            held: AtomicUsize::new(0),
-        })
-    }
-
-    pub fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
-    }
-}
 
 /// The bytes one partition holds, counted in the consumer's budget too.
 pub(crate) struct Held {
@@ -51,7 +32,7 @@ impl Held {
     /// anything before it.
     pub fn hold(self: &Arc<Self>, bytes: usize) -> (Ticket, bool) {
         let before = self.bytes.fetch_add(bytes, Ordering::Relaxed);
-        self.budget.held.fetch_add(bytes, Ordering::Relaxed);
+        self.budget.take(bytes);
         self.gauge.increment(bytes as f64);
         let ticket = Ticket {
             held: Arc::clone(self),
@@ -72,7 +53,7 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         let held = &self.held;
         held.bytes.fetch_sub(self.bytes, Ordering::Relaxed);
-        held.budget.held.fetch_sub(self.bytes, Ordering::Relaxed);
+        held.budget.give_back(self.bytes);
         held.gauge.decrement(self.bytes as f64);
     }
 }

@@ -16,7 +16,6 @@ use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::{Semaphore, oneshot};
 
-use crate::budget::Budget;
 use crate::client::{Client, log_to_tracing};
 use crate::crash::Crash;
 use crate::dead_letter::write::Writer;
@@ -26,6 +25,7 @@ use crate::settings::{Mode, Settings};
 use crate::worker::{Ctx, Worker};
 use crate::{Error, Result};
 use idem_core::binding::Backoff;
+use idem_core::binding::Budget;
 
 /// How long one poll of the client blocks; also how quickly the poll thread notices a
 /// shutdown.

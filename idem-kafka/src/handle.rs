@@ -12,8 +12,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::Message;
-use crate::budget::{Budget, Held};
+use crate::budget::Held;
 use crate::client::Client;
+use idem_core::binding::Budget;
 
 /// Pause reasons: the worker's buffer is full, the worker is stalled, or the consumer
 /// holds more bytes of fetched messages than its bound.

@@ -26,6 +26,7 @@ pub struct ConsumerBuilder {
     missing_key: MissingKey,
     prefetch: u16,
     in_flight: usize,
+    max_bytes: usize,
     backoff: (Duration, Duration),
     shutdown: Option<BoxFuture<'static, ()>>,
     probe: Option<Arc<dyn Probe>>,
@@ -47,6 +48,7 @@ impl IdemConsumer {
             missing_key: MissingKey::default(),
             prefetch: 32,
             in_flight: 1,
+            max_bytes: 64 << 20,
             backoff: (Duration::from_millis(50), Duration::from_secs(2)),
             shutdown: None,
             probe: None,
@@ -144,6 +146,15 @@ impl ConsumerBuilder {
         self
     }
 
+    /// The most bytes (payloads and header values) of the deliveries in hand, running or
+    /// waiting in a key's lane (default 64 MiB). Over it, no more are taken until some
+    /// finish: memory stays within it plus about one message, whatever `in_flight` and
+    /// `prefetch` allow. The prefetched deliveries lapin buffers are bounded by `prefetch`.
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = bytes;
+        self
+    }
+
     /// The waits between retries of a store call, a dead-letter publish or a reconnect:
     /// from `first`, doubling up to `max` (default 50 ms to 2 s).
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
@@ -215,6 +226,7 @@ impl ConsumerBuilder {
                     .prefetch
                     .max(u16::try_from(self.in_flight).unwrap_or(u16::MAX)),
                 in_flight: self.in_flight,
+                max_bytes: self.max_bytes,
                 backoff: self.backoff,
                 probe: self.probe,
             },

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use idem_core::binding::{Backoff, MissingKey};
+use idem_core::binding::{Backoff, Budget, MissingKey};
 use idem_core::{Context, Engine, Key};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
@@ -46,6 +46,7 @@ pub(crate) struct Settings {
     pub missing_key: MissingKey,
     pub prefetch: u16,
     pub in_flight: usize,
+    pub max_bytes: usize,
     pub backoff: (Duration, Duration),
     pub probe: Option<Arc<dyn Probe>>,
 }
@@ -164,7 +165,7 @@ async fn consume(s: &Arc<Settings>, conn: &Connection, stop: &CancellationToken)
         stop: stop.clone(),
         crash: CancellationToken::new(),
     };
-    let mut lanes = Lanes::new(s.in_flight);
+    let mut lanes = Lanes::new(s.in_flight, s.max_bytes);
     loop {
         // A slot first: at most `in_flight` deliveries are taken from the channel.
         let slots = Arc::clone(&lanes.slots);
@@ -190,6 +191,12 @@ async fn consume(s: &Arc<Settings>, conn: &Connection, stop: &CancellationToken)
             None => return Err(Error::Lost("the server ended the subscription".into())),
         };
         let received = session.receive(delivery);
+        // Over the byte budget, what is in hand finishes first (all of it, if need be).
+        while lanes.budget.over() && !lanes.is_empty() {
+            if let Some(ended) = lanes.next_done().await? {
+                return Ok(ended);
+            }
+        }
         lanes.run(&session, received, slot);
     }
     // The shutdown: no more deliveries; those in hand finish (or are left unacked).
@@ -217,6 +224,8 @@ async fn slot(slots: Arc<Semaphore>) -> OwnedSemaphorePermit {
 /// those of one key one at a time, in the order they came (a lane per key).
 struct Lanes {
     slots: Arc<Semaphore>,
+    /// The bytes of the deliveries in hand.
+    budget: Arc<Budget>,
     tasks: JoinSet<(u64, Option<Key>, Result<Handled>)>,
     /// The last delivery of each key in hand: its number, and a signal set when it is done.
     last: HashMap<Key, (u64, watch::Receiver<bool>)>,
@@ -224,9 +233,10 @@ struct Lanes {
 }
 
 impl Lanes {
-    fn new(in_flight: usize) -> Self {
+    fn new(in_flight: usize, max_bytes: usize) -> Self {
         Lanes {
             slots: Arc::new(Semaphore::new(in_flight.max(1))),
+            budget: Budget::new(max_bytes),
             tasks: JoinSet::new(),
             last: HashMap::new(),
             next_id: 0,
@@ -242,6 +252,7 @@ impl Lanes {
         let id = self.next_id;
         self.next_id += 1;
         let key = received.lane();
+        let ticket = self.budget.hold(received.weight());
         let (done, done_rx) = watch::channel(false);
         let before = key.as_ref().and_then(|k| {
             let before = self.last.get(k).map(|(_, rx)| rx.clone());
@@ -256,7 +267,7 @@ impl Lanes {
             }
             let handled = session.handle(received).await;
             let _ = done.send(true);
-            drop(slot);
+            drop((slot, ticket));
             (id, key, handled)
         });
     }

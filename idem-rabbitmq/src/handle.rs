@@ -56,6 +56,11 @@ pub(crate) struct Received {
 }
 
 impl Received {
+    /// Its bytes, as the byte budget counts them: the payload and the header values.
+    pub fn weight(&self) -> usize {
+        self.msg.weight()
+    }
+
     /// The key whose deliveries run one at a time, in the order they came: the
     /// idempotency key, if the message has one.
     pub fn lane(&self) -> Option<Key> {

@@ -144,6 +144,27 @@ impl Message {
     }
 }
 
+impl Message {
+    /// Its bytes, as the byte budget counts them: the payload, and each header's name and
+    /// string or bytes value.
+    pub(crate) fn weight(&self) -> usize {
+        let headers = self.inner.properties.headers().as_ref().map_or(0, |h| {
+            h.inner()
+                .iter()
+                .map(|(name, value)| {
+                    name.as_str().len()
+                        + match value {
+                            AMQPValue::LongString(s) => s.as_bytes().len(),
+                            AMQPValue::ByteArray(b) => b.as_slice().len(),
+                            _ => 8,
+                        }
+                })
+                .sum()
+        });
+        self.inner.payload.len() + headers
+    }
+}
+
 impl Incoming for Message {
     fn header(&self, name: &str) -> Option<&[u8]> {
         Message::header(self, name)

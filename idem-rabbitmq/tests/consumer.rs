@@ -405,3 +405,53 @@ async fn in_flight_runs_keys_at_once_and_each_key_alone_in_order() {
     assert_eq!(q.ready(&q.name).await, 0);
     q.delete().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_byte_budget_bounds_the_deliveries_in_hand() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let conn = common::connect().await;
+    let q = Queue::fresh(&conn, "budget").await;
+    let payload = vec![b'p'; 1000];
+    for k in 0..24 {
+        q.publish(Some(format!("pay-{k}").as_bytes()), &payload)
+            .await;
+    }
+    let running = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let (effects, watch, stop) = (Effects::default(), Watch::new(), CancellationToken::new());
+    let h = (effects.clone(), running.clone(), most.clone());
+    let consumer = IdemConsumer::builder(common::url())
+        .queue(&q.name)
+        .engine(engine(Arc::new(MemoryBackend::new())))
+        .in_flight(8)
+        // Two deliveries of about 1,040 bytes fit; the third goes over, so no fourth.
+        .max_bytes(2_500)
+        .probe(watch.clone())
+        .shutdown(stop.clone().cancelled_owned())
+        .handler(move |m, _| {
+            let (effects, running, most) = h.clone();
+            async move {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                // The handler's work.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                effects.record(&m);
+                Ok(Bytes::new())
+            }
+        })
+        .build()
+        .expect("build");
+    let run = tokio::spawn(consumer.run());
+    watch.acked(24, WITHIN).await;
+    stop.cancel();
+    run.await.expect("join").expect("run");
+    let most = most.load(Ordering::SeqCst);
+    assert!(
+        (2..=3).contains(&most),
+        "{most} handlers at once under a budget of three"
+    );
+    assert_eq!(effects.total(), 24);
+    q.delete().await;
+}

@@ -1,10 +1,12 @@
 //! What a broker binding shares with the others (idem-kafka, idem-rabbitmq): where a
 //! message's idempotency key comes from ([`KeySource`]), and why a message is
-//! dead-lettered ([`Reason`], with the headers that carry it). A binding implements
+//! dead-lettered ([`Reason`], with the headers that carry it), the byte budget of what
+//! it holds ([`Budget`]), and the waits between retries ([`Backoff`]). A binding implements
 //! [`Incoming`] for its message type and re-exports `KeySource<ItsMessage>` under its own
 //! name.
 
 mod backoff;
+mod budget;
 mod key;
 mod reason;
 
@@ -13,6 +15,7 @@ use bytes::Bytes;
 use crate::HandlerError;
 
 pub use backoff::Backoff;
+pub use budget::{Budget, BudgetTicket};
 
 pub use key::{DEFAULT_KEY_HEADER, Extracted, Incoming, KeyFn, KeySource, MissingKey};
 pub use reason::{
