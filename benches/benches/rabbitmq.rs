@@ -325,7 +325,9 @@ fn rabbitmq(c: &mut Criterion) {
                         for _ in 0..iters {
                             stores.reset().await;
                             let queue = fill(&conn, n).await;
-                            let took = run(queue.clone()).await;
+                            // On a worker thread, as the idem consumer runs, not on the thread of
+                            // `block_on`.
+                            let took = tokio::spawn(run(queue.clone())).await.expect("join");
                             drop_queue(&conn, &queue).await;
                             let rate = n as f64 / took.as_secs_f64().max(1e-9);
                             RATES

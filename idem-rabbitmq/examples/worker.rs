@@ -9,8 +9,10 @@
 //! - `--mode lease`: the row is committed on its own before the handler returns, so a kill
 //!   between the row and the settle leaves a real double effect for the takeover.
 //!
-//! It prints `acked <payment>` for each delivery it acked, and `stopped` after a clean
-//! stop; on bad input it prints `worker: error: ...` to stderr and exits with status 2.
+//! It prints `settled <payment> <copy>` for each delivery whose record is settled, before
+//! its ack (`<copy>` is the delivery's `copy` header, `-` if none), and `stopped` after a
+//! clean stop; on bad input it prints `worker: error: ...` to stderr and exits with
+//! status 2.
 //!
 //! ```sh
 //! IDEM_RABBITMQ_URL=amqp://guest:guest@127.0.0.1:5672/%2f \
@@ -81,15 +83,20 @@ fn parse() -> Result<Args, String> {
     })
 }
 
-/// Prints each ack on stdout, where the test reads it.
-struct Acks;
+/// Prints each settled delivery on stdout, where the test reads it: before the ack, so
+/// that a kill between the two leaves a redelivery to print it again, never an ack that
+/// was not printed.
+struct Settled;
 
-impl Probe for Acks {
+impl Probe for Settled {
     fn reached(&self, point: Point, m: &Message) -> Verdict {
-        if point == Point::AfterAck {
+        if point == Point::AfterSettle {
             let id = m.key().map_or("-", |k| k.id());
+            let copy = m
+                .header("copy")
+                .map_or("-".into(), |c| String::from_utf8_lossy(c).into_owned());
             let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "acked {id}");
+            let _ = writeln!(out, "settled {id} {copy}");
             let _ = out.flush();
         }
         Verdict::Continue
@@ -129,7 +136,7 @@ async fn run(args: Args) -> Result<(), String> {
     let builder = IdemConsumer::builder(env("IDEM_RABBITMQ_URL")?)
         .queue(&args.queue)
         .engine(engine)
-        .probe(Arc::new(Acks))
+        .probe(Arc::new(Settled))
         .backoff(Duration::from_millis(20), Duration::from_millis(500))
         .shutdown(stop.cancelled_owned());
     let consumer = if args.transactional {

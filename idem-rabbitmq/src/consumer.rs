@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
 use idem_core::binding::{Backoff, Budget, MissingKey};
 use idem_core::{Context, Engine, Key};
 use lapin::options::{
@@ -47,6 +47,7 @@ pub(crate) struct Settings {
     pub prefetch: u16,
     pub in_flight: usize,
     pub max_bytes: usize,
+    pub batch_size: usize,
     pub backoff: (Duration, Duration),
     pub probe: Option<Arc<dyn Probe>>,
 }
@@ -166,6 +167,8 @@ async fn consume(s: &Arc<Settings>, conn: &Connection, stop: &CancellationToken)
         crash: CancellationToken::new(),
     };
     let mut lanes = Lanes::new(s.in_flight, s.max_bytes);
+    // One claim and one settle for what arrived together: lease mode, one at a time.
+    let batches = s.in_flight == 1 && s.batch_size > 1 && matches!(s.mode, Mode::Lease(_));
     loop {
         // A slot first: at most `in_flight` deliveries are taken from the channel.
         let slots = Arc::clone(&lanes.slots);
@@ -197,7 +200,23 @@ async fn consume(s: &Arc<Settings>, conn: &Connection, stop: &CancellationToken)
                 return Ok(ended);
             }
         }
-        lanes.run(&session, received, slot);
+        if batches {
+            // What else has arrived, without waiting, goes with it.
+            let mut batch = vec![received];
+            while batch.len() < s.batch_size && !lanes.budget.over() {
+                match deliveries.next().now_or_never() {
+                    Some(Some(Ok(d))) => batch.push(session.receive(d)),
+                    Some(Some(Err(e))) => return Err(Error::amqp("consume")(e)),
+                    Some(None) => {
+                        return Err(Error::Lost("the server ended the subscription".into()));
+                    }
+                    None => break,
+                }
+            }
+            lanes.run_batch(&session, batch, slot);
+        } else {
+            lanes.run(&session, received, slot);
+        }
     }
     // The shutdown: no more deliveries; those in hand finish (or are left unacked).
     let _ = channel
@@ -269,6 +288,18 @@ impl Lanes {
             let _ = done.send(true);
             drop((slot, ticket));
             (id, key, handled)
+        });
+    }
+
+    /// Runs `batch` (deliveries that arrived together, in order) on a task of its own. With
+    /// one slot, the only task: the lanes' order holds by itself.
+    fn run_batch(&mut self, session: &Session, batch: Vec<Received>, slot: OwnedSemaphorePermit) {
+        let tickets: Vec<_> = batch.iter().map(|r| self.budget.hold(r.weight())).collect();
+        let session = session.clone();
+        self.tasks.spawn(async move {
+            let handled = session.handle_batch(batch).await;
+            drop((slot, tickets));
+            (u64::MAX, None, handled)
         });
     }
 

@@ -50,9 +50,9 @@ pub(crate) struct Session {
 
 /// A delivery with what its key source found.
 pub(crate) struct Received {
-    msg: Message,
-    acker: Acker,
-    found: Extracted,
+    pub msg: Message,
+    pub acker: Acker,
+    pub found: Extracted,
 }
 
 impl Received {
@@ -100,6 +100,12 @@ impl Session {
             Extracted::Malformed(why) => self.dead(&msg, Reason::MalformedPayload, &why, 0).await,
         };
         self.finish(&msg, step, &acker).await
+    }
+
+    /// Acks a delivery settled by a batch.
+    pub(crate) async fn ack(&self, received: &Received) -> Result<Handled> {
+        self.finish(&received.msg, Step::Settled, &received.acker)
+            .await
     }
 
     /// Acks a settled message.
@@ -220,7 +226,7 @@ impl Session {
 
     /// The handler, then the probe at [`Point::AfterEffect`]; a crash there never
     /// returns, so nothing of the run is stored.
-    async fn run_handler(
+    pub(crate) async fn run_handler(
         &self,
         msg: &Message,
         ctx: Option<idem_core::Context>,
@@ -264,7 +270,7 @@ impl Session {
     }
 
     /// Waits `d`; false if the shutdown or a crash came first.
-    async fn pause(&self, d: Duration) -> bool {
+    pub(crate) async fn pause(&self, d: Duration) -> bool {
         tokio::select! {
             () = tokio::time::sleep(d) => true,
             () = self.stop.cancelled() => false,
@@ -273,7 +279,7 @@ impl Session {
     }
 
     /// Asks the probe about `point`; on a crash sets the crash off and says so.
-    fn crashes_at(&self, point: Point, msg: &Message) -> bool {
+    pub(crate) fn crashes_at(&self, point: Point, msg: &Message) -> bool {
         let Some(probe) = &self.settings.probe else {
             return self.crash.is_cancelled();
         };

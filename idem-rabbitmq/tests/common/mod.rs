@@ -171,6 +171,11 @@ impl Watch {
         *self.crash_at.lock().expect("lock") = Some((point, payload.to_vec()));
     }
 
+    /// Crash no more.
+    pub fn no_crash(&self) {
+        *self.crash_at.lock().expect("lock") = None;
+    }
+
     /// How many acks so far.
     pub fn acks(&self) -> usize {
         self.acked.lock().expect("lock").len()
@@ -241,14 +246,14 @@ impl Watch {
 
 impl Probe for Watch {
     fn reached(&self, point: Point, m: &Message) -> Verdict {
-        let crash = self.crash_at.lock().expect("lock");
-        if let Some((p, payload)) = &*crash
-            && *p == point
-            && m.payload()[..] == payload[..]
-        {
+        let crash = {
+            let crash = self.crash_at.lock().expect("lock");
+            matches!(&*crash, Some((p, payload)) if *p == point && m.payload()[..] == payload[..])
+        };
+        // A crash after the ack still counts the ack: the server has it.
+        if crash && point != Point::AfterAck {
             return Verdict::Crash;
         }
-        drop(crash);
         match point {
             Point::AfterAck => {
                 let id = m.key().map_or_else(
@@ -263,6 +268,9 @@ impl Probe for Watch {
                 self.changed.notify_waiters();
             }
             _ => {}
+        }
+        if crash {
+            return Verdict::Crash;
         }
         Verdict::Continue
     }
