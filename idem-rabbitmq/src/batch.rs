@@ -3,10 +3,8 @@
 //! progress elsewhere, a failed or fenced handler, a poisoned or mismatched key, a keyless
 //! message, a key repeated in the batch) takes the one-delivery path, in its turn.
 
-use std::collections::HashSet;
-
 use idem_core::backend::{Claim, ClaimOutcome, Ran, Settlement};
-use idem_core::binding::{Backoff, Extracted};
+use idem_core::binding::{self, Backoff, Extracted};
 use idem_core::{Engine, Outcome};
 
 use crate::handle::{Handled, Received, Session};
@@ -34,18 +32,25 @@ impl Session {
     /// Settles `batch` (deliveries in the order they came) and acks each settled one.
     pub async fn handle_batch(&self, batch: Vec<Received>) -> Result<Handled> {
         let s = &*self.settings;
-        // The first delivery of each key goes in the claim.
-        let mut seen = HashSet::new();
-        let (claimed, claims): (Vec<usize>, Vec<Claim>) = batch
+        // The first delivery of each key's lane goes in the claim; the rest of a lane, and
+        // keyless deliveries, take the one-delivery path in their turn.
+        let keys = batch.iter().map(|r| match &r.found {
+            Extracted::Key(k) => Some(k),
+            _ => None,
+        });
+        let mut claimed: Vec<usize> = binding::lanes(keys)
+            .into_iter()
+            .map(|lane| lane[0])
+            .filter(|&i| matches!(batch[i].found, Extracted::Key(_)))
+            .collect();
+        claimed.sort_unstable();
+        let claims: Vec<Claim> = claimed
             .iter()
-            .enumerate()
-            .filter_map(|(i, r)| match &r.found {
-                Extracted::Key(k) if seen.insert(k.clone()) => {
-                    Some((i, s.engine.claim_for(k, r.msg.payload())))
-                }
+            .filter_map(|&i| match &batch[i].found {
+                Extracted::Key(k) => Some(s.engine.claim_for(k, batch[i].msg.payload())),
                 _ => None,
             })
-            .unzip();
+            .collect();
         let mut fates: Vec<Fate> = batch.iter().map(|_| Fate::Alone).collect();
         if claimed
             .iter()

@@ -8,6 +8,7 @@
 mod backoff;
 mod budget;
 mod key;
+mod lanes;
 mod reason;
 
 use bytes::Bytes;
@@ -16,6 +17,7 @@ use crate::HandlerError;
 
 pub use backoff::Backoff;
 pub use budget::{Budget, BudgetTicket};
+pub use lanes::{distinct_prefix, lanes};
 
 pub use key::{DEFAULT_KEY_HEADER, Extracted, Incoming, KeyFn, KeySource, MissingKey};
 pub use reason::{

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::lease::Started;
 use super::{Flow, Item, Kind, Worker};
-use crate::order::{self, Settler, Window};
+use crate::order::{Settler, Window};
 use crate::probe::Point;
 
 /// What the lanes of a chunk share.
@@ -41,7 +41,7 @@ impl Worker {
             }
             answers
         };
-        let lanes = order::lanes(chunk.iter().map(|item| self.lane_key(item)));
+        let lanes = idem_core::binding::lanes(chunk.iter().map(|item| self.lane_key(item)));
         let shared = Lanes {
             answers: std::sync::Mutex::new(answers),
             window: std::sync::Mutex::new(Window::new(chunk.len())),

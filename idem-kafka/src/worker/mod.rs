@@ -43,7 +43,7 @@ use crate::dead_letter::write::Writer;
 use crate::handle::{BACKLOG, PartitionState, STALL, WorkerEnds};
 use crate::key::Extracted;
 use crate::metrics::Counters;
-use crate::order::{self, OrderBy};
+use crate::order::OrderBy;
 use crate::probe::Point;
 use crate::settings::{Mode, Settings};
 use idem_core::binding::Backoff;
@@ -500,7 +500,10 @@ impl Worker {
         // The floor is at most `in_flight`: with fast handlers the budget already holds
         // that many, and the keys need not be read.
         let floor = if fits < in_flight {
-            order::distinct_prefix(left.iter().map(|item| self.lane_key(item)), in_flight)
+            idem_core::binding::distinct_prefix(
+                left.iter().map(|item| self.lane_key(item)),
+                in_flight,
+            )
         } else {
             1
         };
