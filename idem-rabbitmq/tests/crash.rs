@@ -14,7 +14,7 @@ use bytes::Bytes;
 use common::{Effects, Queue, Watch};
 use futures::FutureExt;
 use idem_core::{Backend, Engine};
-use idem_postgres::{PgBackend, PgConfig};
+use idem_postgres::PgBackend;
 use idem_rabbitmq::{IdemConsumer, Point};
 use idem_redis::{RedisBackend, RedisConfig};
 use sqlx::AssertSqlSafe;
@@ -189,22 +189,9 @@ async fn crash_test_redis_lease_mode() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_test_postgres_transactional() {
-    let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
     let schema = format!("idem_rabbit_crash_{}", std::process::id());
-    let pg = PgBackend::connect(PgConfig::new(url).with_schema(&schema))
-        .await
-        .expect("connect to IDEM_POSTGRES_URL");
+    let pg = common::ledger_store(&schema).await;
     let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
-    sqlx::query(AssertSqlSafe(drop.clone()))
-        .execute(pg.pool())
-        .await
-        .expect("drop");
-    pg.migrate().await.expect("migrate");
-    let ledger = format!("CREATE TABLE \"{schema}\".ledger (payment text NOT NULL)");
-    sqlx::query(AssertSqlSafe(ledger))
-        .execute(pg.pool())
-        .await
-        .expect("ledger");
     for point in POINTS {
         // Keys of one run are new to the next: each run has queues, and keys, of its own.
         sqlx::query(AssertSqlSafe(format!("TRUNCATE \"{schema}\".idem_records")))

@@ -14,7 +14,6 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::Queue;
-use idem_postgres::{PgBackend, PgConfig};
 use idem_rabbitmq::lapin::BasicProperties;
 use idem_rabbitmq::lapin::types::{AMQPValue, FieldTable, LongString};
 use sqlx::AssertSqlSafe;
@@ -90,30 +89,9 @@ impl Drop for Pool {
     }
 }
 
-async fn ledger(schema: &str) -> PgBackend {
-    let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
-    let pg = PgBackend::connect(PgConfig::new(url).with_schema(schema))
-        .await
-        .expect("connect to IDEM_POSTGRES_URL");
-    let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
-    sqlx::query(AssertSqlSafe(drop))
-        .execute(pg.pool())
-        .await
-        .expect("drop");
-    pg.migrate().await.expect("migrate");
-    let table = format!(
-        "CREATE TABLE \"{schema}\".ledger (payment text NOT NULL, token bigint, instance int)"
-    );
-    sqlx::query(AssertSqlSafe(table))
-        .execute(pg.pool())
-        .await
-        .expect("ledger");
-    pg
-}
-
 async fn killed_workers(mode: &'static str) {
     let schema = format!("idem_rabbit_kill_{mode}_{}", std::process::id());
-    let pg = ledger(&schema).await;
+    let pg = common::ledger_store(&schema).await;
     let conn = common::connect().await;
     let q = Queue::fresh(&conn, mode).await;
     for copy in 0..2 {
@@ -200,8 +178,10 @@ async fn killed_workers(mode: &'static str) {
     if mode == "transactional" {
         assert_eq!(doubles, 0, "transactional mode applies each payment once");
     } else {
+        // A kill repeats at most the effects of the batch in hand: up to the prefetch
+        // (32), the README's bound.
         assert!(
-            doubles <= KILLS as i64,
+            doubles <= 32 * KILLS as i64,
             "{doubles} doubles from {KILLS} kills"
         );
     }

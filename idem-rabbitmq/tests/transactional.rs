@@ -12,7 +12,7 @@ use bytes::Bytes;
 use common::{Queue, Watch};
 use futures::FutureExt;
 use idem_core::Engine;
-use idem_postgres::{PgBackend, PgConfig};
+use idem_postgres::PgBackend;
 use idem_rabbitmq::{IdemConsumer, Point};
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -20,23 +20,7 @@ use tokio_util::sync::CancellationToken;
 const WITHIN: Duration = Duration::from_secs(30);
 
 async fn store() -> PgBackend {
-    let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
-    let schema = format!("idem_rabbit_{}", std::process::id());
-    let pg = PgBackend::connect(PgConfig::new(url).with_schema(&schema))
-        .await
-        .expect("connect to IDEM_POSTGRES_URL");
-    let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
-    sqlx::query(AssertSqlSafe(drop))
-        .execute(pg.pool())
-        .await
-        .expect("drop");
-    pg.migrate().await.expect("migrate");
-    let ledger = format!("CREATE TABLE \"{schema}\".ledger (payment text NOT NULL, token bigint)");
-    sqlx::query(AssertSqlSafe(ledger))
-        .execute(pg.pool())
-        .await
-        .expect("ledger");
-    pg
+    common::ledger_store(&format!("idem_rabbit_{}", std::process::id())).await
 }
 
 /// A transactional consumer whose handler writes one ledger row per run.

@@ -297,3 +297,30 @@ impl Effects {
         self.0.lock().expect("lock").values().sum()
     }
 }
+
+/// A migrated PostgreSQL store (`IDEM_POSTGRES_URL`) in the schema `schema`, emptied first,
+/// with the table `<schema>.ledger (payment, token, instance)` that handlers write their
+/// effects to.
+pub async fn ledger_store(schema: &str) -> idem_postgres::PgBackend {
+    use idem_postgres::{PgBackend, PgConfig};
+    use sqlx::AssertSqlSafe;
+
+    let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
+    let pg = PgBackend::connect(PgConfig::new(url).with_schema(schema))
+        .await
+        .expect("connect to IDEM_POSTGRES_URL");
+    for statement in [
+        format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"),
+        format!("CREATE SCHEMA \"{schema}\""),
+        format!(
+            "CREATE TABLE \"{schema}\".ledger (payment text NOT NULL, token bigint, instance int)"
+        ),
+    ] {
+        sqlx::query(AssertSqlSafe(statement))
+            .execute(pg.pool())
+            .await
+            .expect("the ledger schema");
+    }
+    pg.migrate().await.expect("migrate");
+    pg
+}
