@@ -34,6 +34,9 @@ pub(crate) enum Mode {
     Transactional(Arc<dyn crate::tx::TxStore>),
 }
 
+/// How long a stopping consumer waits for the server to confirm the connection's close.
+const CLOSE_WITHIN: Duration = Duration::from_secs(5);
+
 /// What the builder settled on.
 pub(crate) struct Settings {
     pub uri: String,
@@ -133,8 +136,10 @@ async fn session(
     *connected_once = true;
     let ended = consume(s, &conn, stop).await;
     if !matches!(ended, Err(Error::Amqp { .. } | Error::Lost(_))) {
-        // Unacked deliveries go back to the queue with the connection.
-        let _ = conn.close(200, "idem consumer stopped".into()).await;
+        // Unacked deliveries go back to the queue with the connection. A close the server
+        // does not answer is not waited out: dropping the connection closes its socket.
+        let close = conn.close(200, "idem consumer stopped".into());
+        let _ = tokio::time::timeout(CLOSE_WITHIN, close).await;
     }
     ended
 }
