@@ -9,7 +9,7 @@
 //! only if no other handler of its key runs here, whatever its lease says.
 
 use std::collections::HashSet;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use idem_core::Key;
@@ -22,7 +22,9 @@ const SHARDS: usize = 16;
 #[derive(Default)]
 pub(crate) struct Running {
     shards: [Shard; SHARDS],
-    hasher: RandomState,
+    /// Randomly seeded, as the in-memory store's: keys come from outside, and a collision
+    /// only makes a key wait.
+    hasher: foldhash::fast::RandomState,
 }
 
 /// One lock on a cache line of its own.
