@@ -10,9 +10,9 @@ use futures::FutureExt;
 use futures::future::{BoxFuture, Fuse, FusedFuture};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Claim, ClaimOutcome, Settle, Settlement, handler_response};
+use crate::binding::Signal;
 use crate::{
     Backend, Context, Error, FailureKind, Fingerprint, HandlerError, Key, Lease, Result, Timestamp,
 };
@@ -519,7 +519,7 @@ impl Engine {
                 Err(e) => tracing::warn!(key = %lease.key, error = %e, "lease renewal failed"),
             }
         }
-        let signal = CancellationToken::new();
+        let signal = Signal::new();
         let ctx = Context::new(lease.clone(), signal.clone());
         let work = AssertUnwindSafe(crate::backend::panic_at_poll(|| handler(ctx)));
         let work = work.catch_unwind();
@@ -538,19 +538,19 @@ impl Engine {
                         done = &mut work => break done,
                         res = &mut extending, if !extending.is_terminated() => match res {
                             Ok(_) => {}
-                            Err(e) if e.is_fenced() => signal.cancel(),
+                            Err(e) if e.is_fenced() => signal.fire(),
                             Err(e) => {
                                 tracing::warn!(key = %lease.key, error = %e, "lease extend failed")
                             }
                         },
-                        _ = ticks.tick(), if extending.is_terminated() && !signal.is_cancelled() => {
+                        _ = ticks.tick(), if extending.is_terminated() && !signal.is_fired() => {
                             extending = i.backend.extend(lease, i.lease_ttl).fuse();
                         }
                     }
                 }
             }
         };
-        if signal.is_cancelled() {
+        if signal.is_fired() {
             return Ran::Fenced;
         }
         let failure = match result {

@@ -9,8 +9,8 @@ use std::pin::Pin;
 use std::task::{self, Poll};
 
 use futures::future::Either;
-use tokio_util::sync::CancellationToken;
 
+use crate::binding::Signal;
 use crate::{ClaimKind, FailureKind, Lease};
 
 /// What the engine hands a handler: the lease it runs under, and a signal that fires if
@@ -18,11 +18,11 @@ use crate::{ClaimKind, FailureKind, Lease};
 #[derive(Debug, Clone)]
 pub struct Context {
     lease: Lease,
-    fenced: CancellationToken,
+    fenced: Signal,
 }
 
 impl Context {
-    pub(crate) fn new(lease: Lease, fenced: CancellationToken) -> Self {
+    pub(crate) fn new(lease: Lease, fenced: Signal) -> Self {
         Context { lease, fenced }
     }
 
@@ -52,12 +52,12 @@ impl Context {
     /// Resolves when the lease has been lost (a heartbeat was fenced). A handler that can
     /// stop half-way should select on this and return.
     pub async fn fenced(&self) {
-        self.fenced.cancelled().await
+        self.fenced.fired().await
     }
 
     /// Whether the lease has been lost.
     pub fn is_fenced(&self) -> bool {
-        self.fenced.is_cancelled()
+        self.fenced.is_fired()
     }
 }
 

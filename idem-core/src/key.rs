@@ -1,7 +1,8 @@
 //! Idempotency keys and payload fingerprints.
 
 use std::fmt;
-use std::sync::Arc;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::{Arc, LazyLock};
 
 use sha2::{Digest, Sha256};
 
@@ -18,13 +19,36 @@ pub const MAX_NAMESPACE_BYTES: usize = 128;
 /// [`MAX_ID_BYTES`] bytes and the namespace at most [`MAX_NAMESPACE_BYTES`]. Anything else
 /// is refused with [`Error::InvalidKey`] naming the reason. Use [`Key::hashed`] for
 /// business ids that may be long.
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone)]
 pub struct Key {
     /// The namespace followed by the id, in one shared allocation: a clone (claims, leases
     /// and records each hold one) copies no bytes.
     text: Arc<str>,
     /// Where the id starts in `text`.
     split: usize,
+    /// The text hashed once, when the key is made: a key is looked up in several maps on
+    /// its way (the running keys, the in-memory store's shard and then the shard's map),
+    /// and each now hashes these eight bytes instead of the whole text.
+    hash: u64,
+}
+
+/// The seed of every key's hash: random per process, so keys from outside cannot be
+/// chosen to collide.
+static SEED: LazyLock<foldhash::fast::RandomState> = LazyLock::new(Default::default);
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.split == other.split && self.text == other.text
+    }
+}
+
+impl Eq for Key {}
+
+/// Writes the hash made with the key: equal keys have equal text, so equal hashes.
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
 }
 
 impl Key {
@@ -42,9 +66,12 @@ impl Key {
         // Two UTF-8 strings joined are UTF-8: this check never fails.
         let text = std::str::from_utf8(&joined[..len])
             .map_err(|_| Error::invalid_key("namespace and id do not join as UTF-8"))?;
+        // The split is hashed too: ("ab", "c") and ("a", "bc") are different keys.
+        let hash = SEED.hash_one((text, split));
         Ok(Key {
             text: Arc::from(text),
             split,
+            hash,
         })
     }
 

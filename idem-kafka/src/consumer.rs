@@ -279,7 +279,7 @@ impl Shared {
             return;
         }
         for h in &handles {
-            h.state.stop.cancel();
+            h.state.stop.fire();
         }
         let revoke_timeout = self.settings().revoke_timeout;
         let deadline = Instant::now() + revoke_timeout;
@@ -290,7 +290,7 @@ impl Shared {
                     timeout = ?revoke_timeout,
                     "handler still running at revoke: its heartbeat stops and its lease lapses"
                 );
-                h.state.abandon.cancel();
+                h.state.abandon.fire();
                 if !h.wait_until(Instant::now() + Duration::from_secs(1)) {
                     h.abort();
                 }
@@ -343,7 +343,7 @@ impl Shared {
     fn resume_bytes(&self, paused: &mut Vec<Arc<PartitionState>>) {
         let below_half = self.budget.held() <= self.budget.bound / 2;
         paused.retain(|state| {
-            if state.stop.is_cancelled() {
+            if state.stop.is_fired() {
                 return false;
             }
             if below_half || state.held.get() == 0 {

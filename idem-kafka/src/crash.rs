@@ -3,14 +3,14 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio_util::sync::CancellationToken;
+use idem_core::binding::Signal;
 
 use crate::{Point, Probe, Verdict};
 
 /// Set off when the process is to behave as if it died: nothing is stored or committed
 /// after it.
 pub(crate) struct Crash {
-    token: CancellationToken,
+    token: Signal,
     /// Held while committing and while crashing, so no commit starts after a crash.
     gate: Mutex<()>,
     probe: Option<Arc<dyn Probe>>,
@@ -19,7 +19,7 @@ pub(crate) struct Crash {
 impl Crash {
     pub fn new(probe: Option<Arc<dyn Probe>>) -> Self {
         Crash {
-            token: CancellationToken::new(),
+            token: Signal::new(),
             gate: Mutex::new(()),
             probe,
         }
@@ -28,16 +28,16 @@ impl Crash {
     /// Behaves as if the process died now.
     pub fn crash(&self) {
         let _gate = self.gate();
-        self.token.cancel();
+        self.token.fire();
     }
 
     pub fn happened(&self) -> bool {
-        self.token.is_cancelled()
+        self.token.is_fired()
     }
 
     /// Resolves once the crash happened.
     pub async fn happens(&self) {
-        self.token.cancelled().await;
+        self.token.fired().await;
     }
 
     /// Held by a commit: no crash completes while it is held, and none starts after one.
@@ -47,7 +47,7 @@ impl Crash {
 
     /// Crashes while the caller holds the gate.
     pub fn crash_holding_gate(&self) {
-        self.token.cancel();
+        self.token.fire();
     }
 
     pub fn probe(&self) -> Option<&Arc<dyn Probe>> {

@@ -9,12 +9,11 @@ use std::time::Instant;
 use rdkafka::message::{BorrowedMessage, Message as _};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 use crate::Message;
 use crate::budget::Held;
 use crate::client::Client;
-use idem_core::binding::Budget;
+use idem_core::binding::{Budget, Signal};
 
 /// Pause reasons: the worker's buffer is full, the worker is stalled, or the consumer
 /// holds more bytes of fetched messages than its bound.
@@ -27,9 +26,9 @@ pub(crate) struct PartitionState {
     pub topic: Arc<str>,
     pub partition: i32,
     /// Stop dispatching (revoke, shutdown); in-flight work may finish.
-    pub stop: CancellationToken,
+    pub stop: Signal,
     /// Give up in-flight work too (the revoke timeout passed).
-    pub abandon: CancellationToken,
+    pub abandon: Signal,
     pub backlog: AtomicUsize,
     /// The last message whose offset is stored in the client (librdkafka stores the one
     /// after it), or -1.
@@ -84,8 +83,8 @@ impl PartitionState {
         let state = Arc::new(PartitionState {
             topic,
             partition,
-            stop: CancellationToken::new(),
-            abandon: CancellationToken::new(),
+            stop: Signal::new(),
+            abandon: Signal::new(),
             backlog: AtomicUsize::new(0),
             stored: AtomicI64::new(-1),
             pause: Mutex::new(0),
@@ -160,7 +159,7 @@ impl WorkerHandle {
     }
 
     pub fn abort(&self) {
-        self.state.abandon.cancel();
+        self.state.abandon.fire();
         if let Some(task) = &self.task {
             task.abort();
         }

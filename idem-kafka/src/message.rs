@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use idem_core::Key;
+use smallvec::SmallVec;
 use rdkafka::message::{
     BorrowedHeaders, BorrowedMessage, Header, Headers, Message as _, OwnedHeaders,
 };
@@ -206,8 +207,12 @@ pub(crate) fn each_header(h: &BorrowedHeaders, mut f: impl FnMut(&str, Option<&[
 
 /// A message's headers, copied into one buffer. Each header is its name's length and its
 /// value's length (`u32::MAX` for no value), little-endian, then the name and the value.
+/// Up to [`INLINE_HEADERS`] bytes live in the message itself, with no allocation of their
+/// own: enough for an `idempotency-key` header holding a UUID.
 #[derive(Clone, Default)]
-struct HeaderBuf(Vec<u8>);
+struct HeaderBuf(SmallVec<[u8; INLINE_HEADERS]>);
+
+const INLINE_HEADERS: usize = 64;
 
 const NO_VALUE: u32 = u32::MAX;
 

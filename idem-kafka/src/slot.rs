@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
 use futures::FutureExt;
@@ -13,7 +13,8 @@ use tracing::Instrument;
 
 use crate::handler::HandlerResult;
 
-/// A handler future, running or gone.
+/// A handler future, running or gone. It lives on the stack of the call that runs the
+/// handler, which polls it through [`Slot::poll_with`]: no allocation besides the future's.
 #[derive(Default)]
 pub(crate) struct Slot {
     running: Mutex<Option<BoxFuture<'static, HandlerResult>>>,
@@ -21,10 +22,15 @@ pub(crate) struct Slot {
 
 impl Slot {
     /// A slot running `fut`.
-    pub fn new(fut: BoxFuture<'static, HandlerResult>) -> Arc<Self> {
-        Arc::new(Slot {
+    pub fn new(fut: BoxFuture<'static, HandlerResult>) -> Self {
+        Slot {
             running: Mutex::new(Some(fut)),
-        })
+        }
+    }
+
+    /// Puts `fut` in the slot, to run.
+    pub fn fill(&self, fut: BoxFuture<'static, HandlerResult>) {
+        *self.lock() = Some(fut);
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<BoxFuture<'static, HandlerResult>>> {
@@ -51,9 +57,9 @@ impl Slot {
 
     /// Polls the handler in the slot; `after` runs once when it returns and says whether
     /// to hang there forever (a crash probe).
-    pub fn poll_with<F: FnMut() -> bool + Unpin>(self: &Arc<Self>, after: F) -> SlotFuture<F> {
+    pub fn poll_with<F: FnMut() -> bool + Unpin>(&self, after: F) -> SlotFuture<'_, F> {
         SlotFuture {
-            slot: Arc::clone(self),
+            slot: self,
             after,
             hung: false,
         }
@@ -61,13 +67,13 @@ impl Slot {
 }
 
 /// The future of [`Slot::poll_with`].
-pub(crate) struct SlotFuture<F> {
-    slot: Arc<Slot>,
+pub(crate) struct SlotFuture<'a, F> {
+    slot: &'a Slot,
     after: F,
     hung: bool,
 }
 
-impl<F: FnMut() -> bool + Unpin> Future for SlotFuture<F> {
+impl<F: FnMut() -> bool + Unpin> Future for SlotFuture<'_, F> {
     type Output = HandlerResult;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<HandlerResult> {

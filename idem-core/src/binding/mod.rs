@@ -1,7 +1,8 @@
 //! What a broker binding shares with the others (idem-kafka, idem-rabbitmq): where a
 //! message's idempotency key comes from ([`KeySource`]), and why a message is
 //! dead-lettered ([`Reason`], with the headers that carry it), the byte budget of what
-//! it holds ([`Budget`]), and the waits between retries ([`Backoff`]). A binding implements
+//! it holds ([`Budget`]), the waits between retries ([`Backoff`]), and a cheap one-way
+//! [`Signal`]. A binding implements
 //! [`Incoming`] for its message type and re-exports `KeySource<ItsMessage>` under its own
 //! name.
 
@@ -10,6 +11,7 @@ mod budget;
 mod key;
 mod lanes;
 mod reason;
+mod signal;
 
 use bytes::Bytes;
 
@@ -18,6 +20,7 @@ use crate::HandlerError;
 pub use backoff::Backoff;
 pub use budget::{Budget, BudgetTicket};
 pub use lanes::{distinct_prefix, lanes};
+pub use signal::Signal;
 
 pub use key::{DEFAULT_KEY_HEADER, Extracted, Incoming, KeyFn, KeySource, MissingKey};
 pub use reason::{

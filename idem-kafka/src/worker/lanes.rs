@@ -5,8 +5,8 @@
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use idem_core::backend::{ClaimOutcome, Ran, Settlement};
+use idem_core::binding::Signal;
 use idem_core::{Engine, Outcome};
-use tokio_util::sync::CancellationToken;
 
 use super::lease::Started;
 use super::{Flow, Item, Kind, Worker};
@@ -47,7 +47,7 @@ impl Worker {
             window: std::sync::Mutex::new(Window::new(chunk.len())),
             settler: Settler::default(),
         };
-        let lanes_done = CancellationToken::new();
+        let lanes_done = Signal::new();
         let run_lanes = async {
             let mut running: FuturesUnordered<_> = lanes
                 .iter()
@@ -59,7 +59,7 @@ impl Worker {
                     flow = f;
                 }
             }
-            lanes_done.cancel();
+            lanes_done.fire();
             flow
         };
         let (flow, flushed) = tokio::join!(run_lanes, self.flush(&shared.settler, &lanes_done));
@@ -139,12 +139,12 @@ impl Worker {
     }
 
     /// Settles what the lanes queue, one store call per flush, until the lanes are done.
-    async fn flush(&self, settler: &Settler, lanes_done: &CancellationToken) -> Flow {
+    async fn flush(&self, settler: &Settler, lanes_done: &Signal) -> Flow {
         let flow = loop {
             tokio::select! {
                 biased;
                 () = settler.queued() => {}
-                () = lanes_done.cancelled() => break Flow::Go,
+                () = lanes_done.fired() => break Flow::Go,
             }
             let (batch, replies): (Vec<Settlement>, Vec<_>) = settler.take().into_iter().unzip();
             if batch.is_empty() {

@@ -1,8 +1,6 @@
 //! Lease mode, one handler at a time (`in_flight` 1): one claim for the chunk, the
 //! handlers in offset order, one settle for the results.
 
-use std::sync::Arc;
-
 use idem_core::backend::{ClaimOutcome, Ran, Settle, Settlement};
 use idem_core::{Context, Engine, FailureKind, Lease, Outcome};
 use tracing::Instrument;
@@ -158,12 +156,11 @@ impl Worker {
             self.release(lease).await;
             return Ok(Started::Busy);
         };
-        let mut slot = None;
+        let slot = Slot::default();
         let start = |ctx: Context| {
-            let running = Slot::new(handler(item.msg.clone(), Some(ctx)));
-            slot = Some(Arc::clone(&running));
+            slot.fill(handler(item.msg.clone(), Some(ctx)));
             let offset = item.msg.offset();
-            running.poll_with(move || self.probe(Point::AfterEffect, offset))
+            slot.poll_with(move || self.probe(Point::AfterEffect, offset))
         };
         let _permit = match self.handler_permit().await {
             Ok(permit) => permit,
@@ -181,11 +178,9 @@ impl Worker {
             let run = std::pin::pin!(run.instrument(item.span.clone()));
             self.guarded(run).await
         };
-        match (&result, &slot) {
+        match &result {
             // Still running, the key stays marked until the handler ends.
-            (Err(Flow::Stop), Some(slot)) => {
-                slot.detach(item.span.clone(), runs.keep(&self.ctx.running));
-            }
+            Err(Flow::Stop) => slot.detach(item.span.clone(), runs.keep(&self.ctx.running)),
             _ => drop(runs),
         }
         result.map(Started::Ran)

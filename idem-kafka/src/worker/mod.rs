@@ -163,7 +163,7 @@ impl Worker {
             let first = tokio::select! {
                 biased;
                 () = self.ctx.crash.happens() => return,
-                () = self.state.stop.cancelled() => return,
+                () = self.state.stop.fired() => return,
                 m = self.ends.rx.recv() => match m {
                     Some(m) => m,
                     None => return,
@@ -181,7 +181,7 @@ impl Worker {
                 Some(sem) => tokio::select! {
                     biased;
                     () = self.ctx.crash.happens() => return,
-                    () = self.state.stop.cancelled() => return,
+                    () = self.state.stop.fired() => return,
                     p = sem.acquire_owned() => p.ok(),
                 },
             };
@@ -349,7 +349,7 @@ impl Worker {
         };
         if self.state.stored.load(Ordering::SeqCst) == settled
             || self.ctx.crash.happened()
-            || self.state.abandon.is_cancelled()
+            || self.state.abandon.is_fired()
         {
             return;
         }
@@ -376,7 +376,7 @@ impl Worker {
             biased;
             p = self.permits.acquire() => p,
             () = self.ctx.crash.happens() => return Err(Flow::Crashed),
-            () = self.state.stop.cancelled() => return Err(Flow::Stop),
+            () = self.state.stop.fired() => return Err(Flow::Stop),
         };
         self.counters.in_flight.increment(1.0);
         Ok(InFlight {
@@ -418,7 +418,7 @@ impl Worker {
     fn interrupted(&self) -> Option<Flow> {
         if self.ctx.crash.happened() {
             Some(Flow::Crashed)
-        } else if self.state.stop.is_cancelled() {
+        } else if self.state.stop.is_fired() {
             Some(Flow::Stop)
         } else {
             None
@@ -435,7 +435,7 @@ impl Worker {
         tokio::select! {
             biased;
             () = self.ctx.crash.happens() => Err(Flow::Crashed),
-            () = self.state.stop.cancelled() => Err(Flow::Stop),
+            () = self.state.stop.fired() => Err(Flow::Stop),
             () = tokio::time::sleep(wait) => Ok(()),
         }
     }
@@ -458,7 +458,7 @@ impl Worker {
             biased;
             r = work => Ok(r),
             () = self.ctx.crash.happens() => Err(Flow::Crashed),
-            () = self.state.abandon.cancelled() => Err(Flow::Stop),
+            () = self.state.abandon.fired() => Err(Flow::Stop),
         }
     }
 
