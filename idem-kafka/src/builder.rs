@@ -310,6 +310,13 @@ impl ConsumerBuilder {
     /// [`max_buffered_bytes`](Self::max_buffered_bytes) instead. A stalled partition is
     /// paused at once whatever this says. A value below
     /// [`batch_size`](Self::batch_size) is raised to it.
+    ///
+    /// Well before this bound, while every partition holds four batches
+    /// ([`batch_size`](Self::batch_size) × 4, at most this), the poll thread stops copying
+    /// messages out of the client and waits (up to 50 ms at a time, serving rebalances and
+    /// commits in between) for a worker to run low: the rest stays in librdkafka's prefetch,
+    /// fetched but not copied, so a consumer with a backlog copies each message once, as it
+    /// needs it.
     pub fn max_buffered(mut self, n: usize) -> Self {
         self.max_buffered = Some(n);
         self

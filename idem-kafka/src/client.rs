@@ -1,5 +1,6 @@
 //! The Kafka client as the partition workers see it: pause, resume and store an offset,
-//! nothing more. The consumer hands it the client once it exists.
+//! and wake the thread that polls it; nothing more. The consumer hands it the client once
+//! it exists.
 
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -34,6 +35,8 @@ impl<C: ConsumerContext> Partitions for BaseConsumer<C> {
 #[derive(Default)]
 pub(crate) struct Client {
     consumer: OnceLock<Weak<dyn Partitions>>,
+    /// The poll thread, which parks while every partition has enough waiting.
+    poller: OnceLock<std::thread::Thread>,
 }
 
 impl Client {
@@ -41,6 +44,18 @@ impl Client {
     pub fn set<P: Partitions + 'static>(&self, consumer: &Arc<P>) {
         let weak: Weak<dyn Partitions> = Arc::downgrade(consumer) as Weak<dyn Partitions>;
         let _ = self.consumer.set(weak);
+    }
+
+    /// Registers the calling thread as the one that polls the client.
+    pub fn set_poller(&self) {
+        let _ = self.poller.set(std::thread::current());
+    }
+
+    /// Wakes the poll thread if it is parked (or makes its next park return at once).
+    pub fn wake_poller(&self) {
+        if let Some(poller) = self.poller.get() {
+            poller.unpark();
+        }
     }
 
     fn get(&self) -> Option<Arc<dyn Partitions>> {

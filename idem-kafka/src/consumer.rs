@@ -336,6 +336,24 @@ impl Shared {
             .then(|| Arc::clone(&handle.state))
     }
 
+    /// Whether every partition the poll thread feeds (not paused, not stopping) holds at
+    /// least [`Settings::read_ahead`] messages, and there is one.
+    fn fed(&self) -> bool {
+        let ahead = self.settings().read_ahead();
+        let workers = self.lock_workers();
+        let mut fed = false;
+        for state in workers.values().map(|h| &h.state) {
+            if state.stop.is_fired() || state.is_paused() {
+                continue;
+            }
+            if state.backlog.load(Ordering::Relaxed) < ahead {
+                return false;
+            }
+            fed = true;
+        }
+        fed
+    }
+
     /// Resumes the partitions the poll thread paused for bytes (`paused`): all of them once
     /// the consumer holds at most half its bound, and each one that holds nothing at once
     /// (so none waits forever on partitions that hold the budget). Forgets a partition
@@ -453,6 +471,10 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
     let mut bytes_paused: Vec<Arc<PartitionState>> = Vec::new();
     // Messages routed in a row (since a poll that found none).
     let mut routed = 0u32;
+    shared.ctx.client.set_poller();
+    let waits = crate::metrics::read_ahead_waits(&shared.settings().group);
+    // Whether every partition had enough waiting at the last check.
+    let mut fed = false;
     let result = loop {
         if shared.ctx.crash.happened() {
             break Ok(());
@@ -496,6 +518,19 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
         }
         if !bytes_paused.is_empty() {
             shared.resume_bytes(&mut bytes_paused);
+        }
+        // Every partition has enough waiting: what the client fetched stays in its prefetch,
+        // not copied out ahead of the workers, until one of them runs low (it unparks this
+        // thread) or a poll interval passes (rebalances and commits are served meanwhile).
+        // Checked every 64th message, then after each message while the workers are fed:
+        // a partition holds at most 64 more, and one more per poll interval while its
+        // worker is stuck.
+        if routed > 0 && (fed || routed % 64 == 0) {
+            fed = shared.fed();
+            if fed {
+                waits.increment(1);
+                std::thread::park_timeout(POLL);
+            }
         }
         // The clock is read after a poll that found nothing and every 64th message, not
         // after every message: a commit is late by 64 messages at most.

@@ -39,6 +39,11 @@ pub(crate) struct PartitionState {
 }
 
 impl PartitionState {
+    /// Whether the partition is paused in the client, for any reason.
+    pub fn is_paused(&self) -> bool {
+        *self.pause.lock().unwrap_or_else(|e| e.into_inner()) != 0
+    }
+
     /// Sets or clears one pause reason, pausing or resuming the partition in the client
     /// when the set of reasons becomes non-empty or empty.
     pub fn set_pause(&self, client: &Client, reason: u8, on: bool) {

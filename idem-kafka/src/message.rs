@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use idem_core::Key;
-use smallvec::SmallVec;
 use rdkafka::message::{
     BorrowedHeaders, BorrowedMessage, Header, Headers, Message as _, OwnedHeaders,
 };
+use smallvec::SmallVec;
 
 use crate::budget::Ticket;
 

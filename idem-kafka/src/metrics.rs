@@ -21,6 +21,10 @@ pub const STORE_ERRORS: &str = "idem_kafka_store_errors_total";
 /// one per failed commit whatever its partitions, synchronous (on a revoke or shutdown)
 /// or asynchronous (the periodic ones, counted from librdkafka's `COMMITFAIL` log line).
 pub const COMMIT_ERRORS: &str = "idem_kafka_commit_errors_total";
+/// Times the poll thread stopped copying messages out of the client because every
+/// partition held enough waiting (`batch_size` × 4), labelled by `group`: the rest stays
+/// in librdkafka's prefetch until a worker runs low.
+pub const READ_AHEAD_WAITS: &str = "idem_kafka_read_ahead_waits_total";
 /// Gauge: handlers running now.
 pub const IN_FLIGHT: &str = "idem_kafka_in_flight";
 /// Gauge: messages settled above the low-water mark, waiting for an earlier message to
@@ -39,6 +43,11 @@ pub(crate) fn buffered_bytes(topic: &str, partition: i32) -> Gauge {
         ("partition", partition.to_string()),
     ];
     gauge!(BUFFERED_BYTES, &labels)
+}
+
+/// The poll thread's waits for its workers, of `group`.
+pub(crate) fn read_ahead_waits(group: &str) -> Counter {
+    counter!(READ_AHEAD_WAITS, "group" => group.to_owned())
 }
 
 /// Counts a failed offset commit of `group`.

@@ -87,3 +87,12 @@ pub(crate) struct Settings {
     pub retry_backoff: (Duration, Duration),
     pub probe: Option<Arc<dyn Probe>>,
 }
+
+impl Settings {
+    /// How many messages a partition holds (waiting or running) before the poll thread
+    /// may stop copying messages out of the client: four batches, so a worker always has
+    /// its next one waiting; at most `max_buffered`.
+    pub fn read_ahead(&self) -> usize {
+        self.batch_size.saturating_mul(4).min(self.max_buffered)
+    }
+}

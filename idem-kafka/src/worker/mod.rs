@@ -191,8 +191,14 @@ impl Worker {
             batch.clear();
             // Counted until handled: the bound covers messages waiting and in flight.
             let before = self.state.backlog.fetch_sub(taken, Ordering::Relaxed);
-            if before.saturating_sub(taken) <= self.settings().max_buffered / 2 {
+            let after = before.saturating_sub(taken);
+            if after <= self.settings().max_buffered / 2 {
                 self.state.set_pause(&self.ctx.client, BACKLOG, false);
+            }
+            // Ran low: the poll thread may be parked, waiting for a partition to.
+            let ahead = self.settings().read_ahead();
+            if before >= ahead && after < ahead {
+                self.ctx.client.wake_poller();
             }
             if flow != Flow::Go {
                 return;
