@@ -139,15 +139,37 @@ pub fn callgrind(on: bool) {
     }
 }
 
+/// Under `perf record --control=fifo:FIFO -D -1` with `IDEM_PERF_CTL=FIFO` set: `true`
+/// enables sampling (at a loop's first message), `false` disables it (at its `n`-th), so
+/// the samples hold the loops' windows alone, not the group joins and set-up between
+/// them. Does nothing otherwise.
+pub fn perf(on: bool) {
+    static CTL: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    let Some(fifo) = CTL.get_or_init(|| std::env::var_os("IDEM_PERF_CTL").map(Into::into)) else {
+        return;
+    };
+    let command: &[u8] = if on { b"enable\n" } else { b"disable\n" };
+    let sent = std::fs::OpenOptions::new()
+        .write(true)
+        .open(fifo)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, command));
+    if let Err(e) = sent {
+        eprintln!("IDEM_PERF_CTL {}: {e}", fifo.display());
+    }
+}
+
 /// Marks the window a loop is measured in, from its first message (`true`) to its `n`-th
-/// (`false`): [`callgrind`] collects in it, and the CPU time every thread of this process
-/// spent in it (the in-process broker's too) is kept for [`window_cpu`].
+/// (`false`): [`callgrind`] collects in it, [`perf`] samples in it, and the CPU time every
+/// thread of this process spent in it (the in-process broker's too) is kept for
+/// [`window_cpu`].
 pub fn window(on: bool) {
     static START: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
     if on {
         *START.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread_cpu_ns());
         callgrind(true);
+        perf(true);
     } else {
+        perf(false);
         callgrind(false);
         let start = START.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(start) = start {

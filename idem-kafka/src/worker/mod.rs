@@ -27,7 +27,7 @@ pub(crate) use running::Running;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::backend::{Claim, ClaimOutcome, OffsetPosition};
@@ -135,6 +135,9 @@ pub(crate) struct Worker {
     permits: Semaphore,
     /// Average time to run one message, to keep claims ahead of their handler short.
     per_message: Duration,
+    /// Time spent in store calls ([`Worker::retry`] on the store), in nanoseconds, so far:
+    /// a chunk's own time, less this, is its handlers' time.
+    store_nanos: AtomicU64,
 }
 
 impl Worker {
@@ -148,6 +151,7 @@ impl Worker {
             ends,
             progress: Default::default(),
             per_message: Duration::ZERO,
+            store_nanos: AtomicU64::new(0),
         }
     }
 
@@ -214,6 +218,7 @@ impl Worker {
         while start < items.len() {
             let end = start + self.chunk_len(&items[start..]);
             let began = Instant::now();
+            let store_before = self.store_nanos.load(Ordering::Relaxed);
             let chunk = &items[start..end];
             let flow = match &self.settings().mode {
                 _ if self.settings().in_flight > 1 => self.process_lanes(chunk).await,
@@ -224,7 +229,16 @@ impl Worker {
             if flow != Flow::Go {
                 return flow;
             }
-            let each = began.elapsed() / u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+            // The handlers' time alone: the chunk's claim and settle take a round trip
+            // each however long the chunk is. Counted in, they made a chunk slowed by its
+            // store (a cold connection, a stall) look like slow handlers, and the chunks
+            // after it short, each paying both round trips again, for dozens of chunks.
+            let store = self
+                .store_nanos
+                .load(Ordering::Relaxed)
+                .saturating_sub(store_before);
+            let handlers = began.elapsed().saturating_sub(Duration::from_nanos(store));
+            let each = handlers / u32::try_from(chunk.len()).unwrap_or(u32::MAX);
             self.per_message = if self.per_message.is_zero() {
                 each
             } else {
@@ -396,7 +410,22 @@ impl Worker {
     /// Calls `op` until it succeeds: the one retry loop for a store or a broker. Between
     /// tries the partition stalls (paused, offsets stored) with backoff. `Err` when the
     /// partition is given up or the consumer crashes first.
-    async fn retry<T, E, Fut>(
+    async fn retry<T, E, Fut>(&self, on: Failing<'_>, op: impl FnMut() -> Fut) -> Result<T, Flow>
+    where
+        E: std::fmt::Display,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let began = Instant::now();
+        let answer = self.retry_inner(on, op).await;
+        if matches!(on, Failing::Store) {
+            let took = u64::try_from(began.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.store_nanos.fetch_add(took, Ordering::Relaxed);
+        }
+        answer
+    }
+
+    /// [`Worker::retry`], untimed.
+    async fn retry_inner<T, E, Fut>(
         &self,
         on: Failing<'_>,
         mut op: impl FnMut() -> Fut,
