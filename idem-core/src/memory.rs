@@ -88,9 +88,12 @@ impl MemoryBackend {
         self.len() == 0
     }
 
+    /// The shard of `key`, picked by bits 32 and up of its hash. The shards' maps hash
+    /// with the same seed and place a key by the low bits (and tag it by the top seven):
+    /// picked by the low bits, as before, every key of a shard had the same low six bits,
+    /// so they started their probes in one 64th of the map's slots.
     fn shard(&self, key: &Key) -> MutexGuard<'_, HashMap<Key, Record, Hasher>> {
-        let n = self.shards.len() as u64;
-        let i = usize::try_from(self.hasher.hash_one(key) % n).unwrap_or(0);
+        let i = (self.hasher.hash_one(key) >> 32) as usize % self.shards.len();
         lock(&self.shards[i])
     }
 
