@@ -287,10 +287,11 @@ impl ConsumerBuilder {
     }
 
     /// How long a chunk's results should wait for their settle (default 100 ms): chunks
-    /// are sized to run within this, or a quarter of the lease if less, at the handler
-    /// time measured so far (the first chunk of a partition is at most 16 messages). It is
-    /// a target, not a bound: a handler slower than measured, or the leading messages of
-    /// distinct keys that [`in_flight`](Self::in_flight) runs together, can take longer;
+    /// are sized so that their handlers run within this, or a quarter of the lease if
+    /// less, at the handler time measured so far (the first chunk of a partition is at
+    /// most 16 messages); the chunk's claim and settle come on top. It is a target, not a
+    /// bound: a handler slower than measured, or the leading messages of distinct keys
+    /// that [`in_flight`](Self::in_flight) runs together, can take longer;
     /// [`max_unsettled`](Self::max_unsettled) is the hard bound on what a crash repeats.
     /// Shorter means smaller chunks, so more store calls per message; in transactional
     /// mode it sizes the chunk's transaction.

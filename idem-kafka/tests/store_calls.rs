@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{Effects, Out, Recorder, builder, engine, mock_topic, produce, start, unique};
 use idem_conformance::{CallLog, Counting};
 use idem_core::MemoryBackend;
-use idem_core::layer::BackendExt;
+use idem_core::layer::{BackendExt, Chaos};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -82,4 +82,53 @@ async fn a_batch_of_fresh_keys_costs_one_claim_and_one_settle_and_a_batch_of_dup
         "a batch of duplicates costs its claim alone: {again:?}"
     );
     assert_eq!(again.iter().map(|c| c.1).sum::<usize>(), n);
+}
+
+/// A chunk is sized by its handlers' time, not its store calls': a store that refuses the
+/// first claims (the partition stalls for the backoff, about 300 ms) made the first chunk
+/// look like slow handlers, and the chunks after it a few messages each for dozens of
+/// chunks, two store calls apiece.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_first_claim_does_not_shrink_the_chunks_after_it() {
+    let topic = unique("slowfirst");
+    let (_cluster, brokers) = mock_topic(&topic, 1);
+    let n = 3_000;
+    let msgs: Vec<Out> = (0..n)
+        .map(|i| Out::keyed(0, &format!("k{i}"), &format!("p{i}")))
+        .collect();
+    produce(&brokers, &topic, &msgs).await;
+    let chaos = Chaos::new();
+    chaos.refuse_next(4);
+    let store = MemoryBackend::new()
+        .layer(chaos.clone())
+        .layer(CallLog::new());
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let running = start(
+        builder(&brokers, &topic, &unique("g"))
+            .engine(engine(
+                Arc::new(store.clone()),
+                "w1",
+                Duration::from_secs(30),
+            ))
+            .handler(effects.by_key()),
+        &recorder,
+    );
+    recorder.wait_settled(n, WAIT).await;
+    running.stop().await;
+
+    let claims: Vec<usize> = store
+        .hook()
+        .calls()
+        .iter()
+        .filter(|c| c.0 == "claim_many")
+        .map(|c| c.1)
+        .collect();
+    // Four refused, then 3,000 messages in batches of at most 500: about ten. Sized by
+    // the chunk's whole time, they took 35, the chunks growing by an eighth from 2.
+    assert!(
+        claims.len() <= 20,
+        "{} claims after a slow first one: {claims:?}",
+        claims.len()
+    );
 }
