@@ -918,8 +918,10 @@ fn kafka(c: &mut Criterion) {
 /// to see where a store loop's time goes. Under `valgrind --tool=callgrind
 /// --instr-atstart=no`, with `IDEM_CALLGRIND=1`, collection runs from the first message
 /// to the `n`-th only ([`support::window`]; the counts are in the dump, the output file
-/// with `.1` appended), so the counts divided by `n` are the cost per message; it also
-/// prints the CPU time of the process's threads in that window, per message. An idem loop
+/// with `.1` appended), so the counts divided by `n` are the cost per message. Under
+/// `perf record --control=fifo:FIFO -D -1` with `IDEM_PERF_CTL=FIFO` (a `mkfifo`), perf
+/// samples in those windows only. It also prints the CPU time of the process's threads in
+/// that window, per message. An idem loop
 /// on a store also prints, per store operation, its calls, items per call and time per
 /// call ([`Tally`]).
 fn profile(which: &str) {
