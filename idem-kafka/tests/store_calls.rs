@@ -8,17 +8,17 @@ use std::time::Duration;
 
 use common::{Effects, Out, Recorder, builder, engine, mock_topic, produce, start, unique};
 use idem_conformance::{CallLog, Counting};
-use idem_core::MemoryBackend;
 use idem_core::layer::{BackendExt, Chaos};
+use idem_core::{Backend, MemoryBackend};
 
 const WAIT: Duration = Duration::from_secs(30);
 
 /// Runs a consumer of `topic` in a group of its own, over `store`, until `n` messages
 /// settled; returns the store calls it made.
-async fn consume(
+async fn consume<B: Backend + Clone + 'static>(
     brokers: &str,
     topic: &str,
-    store: &Counting<MemoryBackend>,
+    store: &Counting<B>,
     n: usize,
 ) -> Vec<(&'static str, usize)> {
     let before = store.hook().calls().len();
@@ -102,25 +102,10 @@ async fn a_slow_first_claim_does_not_shrink_the_chunks_after_it() {
     let store = MemoryBackend::new()
         .layer(chaos.clone())
         .layer(CallLog::new());
-    let effects = Effects::new();
-    let recorder = Recorder::new();
-    let running = start(
-        builder(&brokers, &topic, &unique("g"))
-            .engine(engine(
-                Arc::new(store.clone()),
-                "w1",
-                Duration::from_secs(30),
-            ))
-            .handler(effects.by_key()),
-        &recorder,
-    );
-    recorder.wait_settled(n, WAIT).await;
-    running.stop().await;
 
-    let claims: Vec<usize> = store
-        .hook()
-        .calls()
-        .iter()
+    let claims: Vec<usize> = consume(&brokers, &topic, &store, n)
+        .await
+        .into_iter()
         .filter(|c| c.0 == "claim_many")
         .map(|c| c.1)
         .collect();
