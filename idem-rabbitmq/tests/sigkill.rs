@@ -1,7 +1,7 @@
 //! Consumer processes killed with SIGKILL on a real RabbitMQ and PostgreSQL
-//! (`IDEM_RABBITMQ_URL`, `IDEM_POSTGRES_URL`). Three `worker` examples consume a queue of
-//! payments, each sent twice; one is killed and replaced at every few settled deliveries,
-//! until every delivery was settled by one of them. Then the workers stop and the ledger
+//! (`IDEM_RABBITMQ_URL`, `IDEM_POSTGRES_URL`). Three `rabbitmq_worker` examples consume a
+//! queue of payments, each sent twice; one is killed and replaced at every few settled
+//! deliveries, until every delivery was settled by one of them. Then the workers stop and the ledger
 //! is read: no payment lost in either mode, none applied twice in transactional mode, and
 //! in lease mode at most a batch of doubles per kill (the batch in hand).
 
@@ -107,7 +107,9 @@ async fn killed_workers(mode: &'static str) {
     let example = idem_conformance::process::build_example(
         concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
         "idem-rabbitmq",
-        "worker",
+        // Not `worker`: idem-kafka has an example of that name, and both would be built
+        // to `target/debug/examples/worker`, so one SIGKILL test could start the other's.
+        "rabbitmq_worker",
     );
     let (tx, rx) = mpsc::channel();
     let mut pool = Pool {

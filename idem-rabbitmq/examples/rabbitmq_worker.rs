@@ -17,7 +17,7 @@
 //! ```sh
 //! IDEM_RABBITMQ_URL=amqp://guest:guest@127.0.0.1:5672/%2f \
 //! IDEM_POSTGRES_URL=postgres://postgres@127.0.0.1:5432/test \
-//!   cargo run -p idem-rabbitmq --example worker -- --mode lease --queue payments \
+//!   cargo run -p idem-rabbitmq --example rabbitmq_worker -- --mode lease --queue payments \
 //!   --schema ledger_1 [--instance 0] [--lease-ms 1000]
 //! ```
 
