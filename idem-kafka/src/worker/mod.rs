@@ -233,10 +233,15 @@ impl Worker {
             // each however long the chunk is. Counted in, they made a chunk slowed by its
             // store (a cold connection, a stall) look like slow handlers, and the chunks
             // after it short, each paying both round trips again, for dozens of chunks.
-            let store = self
-                .store_nanos
-                .load(Ordering::Relaxed)
-                .saturating_sub(store_before);
+            // In transactional mode the store's time is the chunk's work (its handlers'
+            // statements run in the transaction), so all of it counts, as before.
+            let store = match self.settings().mode {
+                Mode::Lease(_) => self
+                    .store_nanos
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(store_before),
+                Mode::Transactional(_) => 0,
+            };
             let handlers = began.elapsed().saturating_sub(Duration::from_nanos(store));
             let each = handlers / u32::try_from(chunk.len()).unwrap_or(u32::MAX);
             self.per_message = if self.per_message.is_zero() {
