@@ -517,7 +517,8 @@ impl Worker {
     /// How many of the `left` messages to claim at once: all of them while handlers are
     /// fast, fewer when a chunk's handlers would take longer than `settle_within` or a
     /// quarter of the lease to run (its results are settled, and its offsets stored, only
-    /// at its end; its claim and settle come on top, one round trip each). The first chunk, before any handler was timed, is at most [`FIRST_CHUNK`].
+    /// at its end; its claim and settle come on top, one round trip each). The first
+    /// chunk, before any handler was timed, is at most [`FIRST_CHUNK`].
     ///
     /// With handlers in flight at once, a chunk always holds the leading messages whose
     /// ordering keys differ, up to `in_flight`: they start together, so no lease of theirs
