@@ -107,6 +107,9 @@ async fn a_poisoned_message_is_replayed_after_the_fix_and_handled_once() {
     let mut config = kafka(&brokers);
     config
         .set("auto.offset.reset", "earliest")
+        // tansu takes about half the session timeout to let a consumer join: 3 s, not 23 s.
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
         .set("topic.metadata.refresh.interval.ms", "500");
     let (fx, done) = (fixed.clone(), handled.clone());
     let consumer = IdemConsumer::builder(config)
