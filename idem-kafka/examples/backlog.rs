@@ -2,16 +2,17 @@
 //! peak resident memory can be read alone (the test `tests/memory.rs` runs it). It consumes
 //! a topic that already holds `messages` messages, each with an `idempotency-key` header,
 //! on the memory store, with a handler that sleeps `handler_ms`. Handlers wait until the
-//! consumer holds `hold_bytes` of fetched messages (0: they start at once), so the backlog
-//! reaches the byte bound whatever the broker's pace. Once every message is settled it shuts
-//! down and prints one line:
+//! consumer holds `hold_bytes` of fetched messages (0: they start at once).
+//! `max_buffered_bytes` and `queued_kbytes` (librdkafka's `queued.max.messages.kbytes`, each
+//! partition queue's prefetch) are the consumer's when given. Once every message is settled
+//! it shuts down and prints one line:
 //!
 //! `runs=<handler runs> distinct=<keys run> settled=<messages settled>
 //! peak_buffered=<largest sum of idem_kafka_buffered_bytes seen> vmhwm_kb=<peak RSS>
 //! elapsed_ms=<time from start to shutdown>`
 //!
 //! ```sh
-//! cargo run -p idem-kafka --example backlog -- <brokers> <topic> <group> <messages> <handler_ms> <hold_bytes> [max_buffered_bytes]
+//! cargo run -p idem-kafka --example backlog -- <brokers> <topic> <group> <messages> <handler_ms> <hold_bytes> [max_buffered_bytes [queued_kbytes]]
 //! ```
 
 use std::collections::{HashMap, HashSet};
@@ -70,7 +71,7 @@ fn arg<T: std::str::FromStr>(args: &[String], i: usize, name: &str) -> Result<T,
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: backlog <brokers> <topic> <group> <messages> <handler_ms> <hold_bytes> [max_buffered_bytes]";
+    let usage = "usage: backlog <brokers> <topic> <group> <messages> <handler_ms> <hold_bytes> [max_buffered_bytes [queued_kbytes]]";
     let [brokers, topic, group] = [0, 1, 2].map(|i| args.get(i).cloned());
     let (Some(brokers), Some(topic), Some(group)) = (brokers, topic, group) else {
         return Err(usage.into());
@@ -82,6 +83,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .get(6)
         .map(|_| arg(&args, 6, "max_buffered_bytes"))
         .transpose()?;
+    let queued_kbytes: Option<u64> = args
+        .get(7)
+        .map(|_| arg(&args, 7, "queued_kbytes"))
+        .transpose()?;
 
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
@@ -92,6 +97,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .set("bootstrap.servers", &brokers)
         .set("auto.offset.reset", "earliest")
         .set("session.timeout.ms", "6000");
+    if let Some(kbytes) = queued_kbytes {
+        config.set("queued.max.messages.kbytes", kbytes.to_string());
+    }
     let backend = Arc::new(MemoryBackend::new());
     let engine = Engine::builder(backend)
         .lease_ttl(Duration::from_secs(60))

@@ -28,6 +28,11 @@ impl Held {
         self.bytes.load(Ordering::Relaxed)
     }
 
+    /// Whether the consumer holds more bytes than its bound.
+    pub fn over_budget(&self) -> bool {
+        self.budget.held() > self.budget.bound
+    }
+
     /// Counts `bytes` of a message of this partition; says whether the partition held
     /// anything before it.
     pub fn hold(self: &Arc<Self>, bytes: usize) -> (Ticket, bool) {

@@ -300,45 +300,34 @@ impl ConsumerBuilder {
         self
     }
 
-    /// How many fetched messages of one partition may wait for its worker before the
-    /// partition is paused in the client. The default is what librdkafka prefetches per
-    /// partition, `queued.min.messages` (100,000 unless the client config sets it): a pause
-    /// makes librdkafka drop what it fetched for the partition and fetch it again on
-    /// resume, so pausing sooner than librdkafka would stop fetching only adds refetches.
-    /// And fetching restarts only once the fetch in flight at the pause returns (up to
-    /// `fetch.wait.max.ms`, 500 ms by default): measured on MockCluster, a buffer of 4 moved
-    /// a partition about 4 messages per half second. Large messages are bounded by
-    /// [`max_buffered_bytes`](Self::max_buffered_bytes) instead. A stalled partition is
-    /// paused at once whatever this says. A value below
-    /// [`batch_size`](Self::batch_size) is raised to it.
+    /// How many fetched messages of one partition the client keeps ready for its worker.
+    /// Each partition's worker takes its messages from the partition's own queue in the
+    /// client when it is ready for them, so what waits stays in librdkafka's queue and is
+    /// copied nowhere else. This sets librdkafka's prefetch per partition,
+    /// `queued.min.messages` (100,000 by default), unless the client config sets it. A
+    /// value below [`batch_size`](Self::batch_size) is raised to it.
     ///
-    /// Well before this bound, while every partition holds four batches
-    /// ([`batch_size`](Self::batch_size) × 4, at most this), the poll thread stops copying
-    /// messages out of the client and waits (up to 50 ms at a time, serving rebalances and
-    /// commits in between) for a worker to run low: the rest stays in librdkafka's prefetch,
-    /// fetched but not copied, so a consumer with a backlog copies each message once, as it
-    /// needs it.
+    /// A message of a partition whose queue could not be split off (fetched before its
+    /// assignment reached the consumer) goes through the poll thread instead; of those, at
+    /// most this many wait for the worker, and the partition is paused past it.
     pub fn max_buffered(mut self, n: usize) -> Self {
         self.max_buffered = Some(n);
         self
     }
 
-    /// The most bytes (payload, key and headers) of fetched messages the consumer holds,
-    /// across its partitions: waiting for a worker, running or settling. Past it, a
-    /// partition that receives a message while it holds some already is paused in the
-    /// client, and the paused partitions resume once the consumer holds half of it (or, one
-    /// by one, as soon as each holds nothing). The bound can be passed by about one message
-    /// per partition: a partition holding nothing always takes its next message, so one
-    /// message larger than the bound still gets through, alone.
+    /// The most bytes (payload, key and headers) of fetched messages the consumer's workers
+    /// hold, across partitions: taken, running or settling. While the consumer holds more,
+    /// a worker takes no more messages from its partition's queue, except that a worker
+    /// holding nothing always takes its next one: the bound can be passed by about one
+    /// message per partition, and a message larger than the bound still gets through,
+    /// alone. The default is librdkafka's `queued.max.messages.kbytes` if the client config
+    /// sets it, else 64 MiB.
     ///
-    /// The default is librdkafka's own prefetch bound, `queued.max.messages.kbytes` (64 MiB
-    /// unless the client config sets it). Small messages rarely reach it: with 100-byte
-    /// messages, [`max_buffered`](Self::max_buffered) pauses each of 4 partitions first, at
-    /// about 40 MB in all; and the paused partitions resume with half the bound still
-    /// waiting, so the refetch overlaps work. Set low, it costs what any pause
-    /// costs: librdkafka drops what it prefetched for the partition and fetches it again on
-    /// resume, after the fetch in flight returns (up to `fetch.wait.max.ms`), and the poll
-    /// thread notices it may resume only between two polls (up to 50 ms).
+    /// Messages not taken yet wait in their partition's queue in the client. librdkafka
+    /// bounds each such queue by `queued.max.messages.kbytes`; unless the client config
+    /// sets it, it is a sixteenth of this bound (at least 1 MiB), so that 16 partitions
+    /// prefetch about the bound together. A consumer of many partitions that must stay
+    /// small sets it lower.
     pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
         self.max_buffered_bytes = Some(bytes);
         self
@@ -523,9 +512,17 @@ impl ConsumerBuilder {
             .max_buffered
             .unwrap_or_else(|| prefetch(&config))
             .max(self.batch_size);
+        if self.max_buffered.is_some() && config.get("queued.min.messages").is_none() {
+            config.set("queued.min.messages", max_buffered.to_string());
+        }
         let max_buffered_bytes = self
             .max_buffered_bytes
             .unwrap_or_else(|| prefetch_bytes(&config));
+        if config.get("queued.max.messages.kbytes").is_none() {
+            // librdkafka takes 1 to 2,097,151 KiB.
+            let kbytes = (max_buffered_bytes / PREFETCH_SHARE / 1024).clamp(1024, 2_097_151);
+            config.set("queued.max.messages.kbytes", kbytes.to_string());
+        }
         let settings = Settings {
             consumer_config: config,
             dead_letter_config,
@@ -566,6 +563,11 @@ impl fmt::Debug for ConsumerBuilder {
             .finish_non_exhaustive()
     }
 }
+
+/// Each partition's queue in the client prefetches at most this share of
+/// `max_buffered_bytes` (at least 1 MiB), unless the client config sets
+/// `queued.max.messages.kbytes`: 16 partitions prefetch about the bound together.
+const PREFETCH_SHARE: usize = 16;
 
 /// librdkafka's prefetch per partition: `queued.min.messages`, default 100,000.
 fn prefetch(config: &ClientConfig) -> usize {

@@ -1,25 +1,28 @@
-//! The consumer: the poll thread, routing to partition workers, rebalance and commits.
+//! The consumer: the poll thread (rebalance callbacks, commits), and a worker per assigned
+//! partition, which takes its messages from the partition's own queue in the client.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::base_consumer::PartitionQueue;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message as _};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, TopicPartitionList};
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::{Notify, Semaphore, oneshot};
 
+use crate::budget::Held;
 use crate::client::{Client, log_to_tracing};
 use crate::crash::Crash;
 use crate::dead_letter::write::Writer;
-use crate::handle::{BYTES, PartitionState, Route, WorkerHandle};
+use crate::handle::{BYTES, Fetch, PartitionState, Route, WorkerHandle};
 use crate::probe::Point;
 use crate::settings::{Mode, Settings};
 use crate::worker::{Ctx, Worker};
@@ -91,6 +94,7 @@ impl IdemConsumer {
             workers: Mutex::new(Workers::default()),
             stopping: AtomicBool::new(false),
             failure: OnceLock::new(),
+            consumer: OnceLock::new(),
             ctx,
         });
         let settings = Arc::clone(&shared.ctx.settings);
@@ -106,6 +110,7 @@ impl IdemConsumer {
             .map_err(|e| Error::kafka("subscribing", e))?;
         let consumer = Arc::new(consumer);
         shared.ctx.client.set(&consumer);
+        let _ = shared.consumer.set(Arc::downgrade(&consumer));
 
         let guard = CrashOnDrop(Some(Arc::clone(&shared)));
         let (done_tx, mut done_rx) = oneshot::channel();
@@ -166,6 +171,8 @@ struct Shared {
     stopping: AtomicBool,
     /// Why the loop stops on its own: a partition's worker panicked.
     failure: OnceLock<String>,
+    /// The client, to split a partition's queue off for its worker.
+    consumer: OnceLock<Weak<BaseConsumer<LoopContext>>>,
 }
 
 impl Shared {
@@ -228,8 +235,9 @@ impl Shared {
         }
     }
 
-    fn spawn_worker(self: &Arc<Self>, tp: Tp) -> WorkerHandle {
-        let (handle, ends) = PartitionState::create(tp.0, tp.1, Arc::clone(&self.budget));
+    fn spawn_worker(self: &Arc<Self>, tp: Tp, queue: Option<Box<dyn Fetch>>) -> WorkerHandle {
+        let (handle, mut ends) = PartitionState::create(tp.0, tp.1, Arc::clone(&self.budget));
+        ends.queue = queue;
         let worker = Worker::new(Arc::clone(&self.ctx), Arc::clone(&handle.state), ends);
         let shared = Arc::clone(self);
         let (topic, partition) = (Arc::clone(&handle.state.topic), handle.state.partition);
@@ -253,15 +261,21 @@ impl Shared {
 
     /// Creates workers for newly assigned partitions and makes sure they are not paused.
     fn assign(self: &Arc<Self>, consumer: &BaseConsumer<LoopContext>, tpl: &TopicPartitionList) {
+        let client = self.consumer.get().and_then(Weak::upgrade);
         let mut workers = self.lock_workers();
         for e in tpl.elements() {
             let tp: Tp = (Arc::from(e.topic()), e.partition());
             if let std::collections::hash_map::Entry::Vacant(slot) = workers.entry(tp) {
-                let handle = self.spawn_worker(slot.key().clone());
+                let queue = client
+                    .as_ref()
+                    .and_then(|c| c.split_partition_queue(e.topic(), e.partition()))
+                    .map(Queue::boxed);
+                let handle = self.spawn_worker(slot.key().clone(), queue);
                 slot.insert(handle);
             }
         }
         drop(workers);
+        drop(client);
         if let Err(e) = consumer.resume(tpl) {
             tracing::debug!(error = %e, "resume after assign");
         }
@@ -325,7 +339,7 @@ impl Shared {
         let mut workers = self.lock_workers();
         let handle = workers
             .entry(tp.clone())
-            .or_insert_with(|| self.spawn_worker(tp.clone()));
+            .or_insert_with(|| self.spawn_worker(tp.clone(), None));
         let route = Route {
             client: &self.ctx.client,
             budget: &self.budget,
@@ -463,8 +477,10 @@ fn listed(tpl: &TopicPartitionList) -> String {
     each.join(",")
 }
 
-/// The poll thread: routes messages, commits periodically, and on shutdown revokes
-/// everything, commits and closes the client. The client is dropped here, on this thread.
+/// The poll thread: serves the rebalance callbacks, routes a message that arrives on the
+/// main queue (one of a partition whose queue was not split off), commits periodically,
+/// and on shutdown revokes everything, commits and closes the client. The client is
+/// dropped here, on this thread.
 fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> Result<()> {
     let mut last_commit = Instant::now();
     let mut cache: Option<Tp> = None;
@@ -579,5 +595,39 @@ fn close(shared: &Shared, consumer: Arc<BaseConsumer<LoopContext>>) {
     drop(consumer);
     if let (true, Some(probe)) = (crashed, shared.ctx.crash.probe()) {
         probe.closed();
+    }
+}
+
+/// A partition's queue split off the client's main one, and the signal its client raises
+/// when the queue turns non-empty.
+struct Queue {
+    queue: PartitionQueue<LoopContext>,
+    arrived: Arc<Notify>,
+}
+
+impl Queue {
+    fn boxed(mut queue: PartitionQueue<LoopContext>) -> Box<dyn Fetch> {
+        let arrived = Arc::new(Notify::new());
+        let signal = Arc::clone(&arrived);
+        queue.set_nonempty_callback(move || signal.notify_one());
+        Box::new(Queue { queue, arrived })
+    }
+}
+
+impl Fetch for Queue {
+    fn take(&self, topic: &Arc<str>, held: &Arc<Held>) -> Option<crate::Message> {
+        loop {
+            match self.queue.poll(Duration::ZERO)? {
+                Ok(m) => {
+                    let hold = |weight| held.hold(weight).0;
+                    return Some(crate::Message::from_borrowed(Arc::clone(topic), &m, hold));
+                }
+                Err(e) => tracing::warn!(error = %e, "consumer error"),
+            }
+        }
+    }
+
+    fn arrived(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(self.arrived.notified())
     }
 }

@@ -1,6 +1,7 @@
 //! What the poll thread and the rebalance callbacks keep of a partition's worker: its
-//! shared state (stop, abandon, pause reasons, backlog, bytes held) and the channel that
-//! feeds it.
+//! shared state (stop, abandon, pause reasons, backlog, bytes held), and what feeds it: the
+//! partition's own queue in the client ([`Fetch`]) and a channel for the messages the poll
+//! thread routes.
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -73,8 +74,22 @@ pub(crate) struct WorkerHandle {
 /// What the worker keeps of its handle: the receiving ends.
 pub(crate) struct WorkerEnds {
     pub rx: mpsc::UnboundedReceiver<Message>,
+    /// The partition's own queue in the client, when it could be split off the main one:
+    /// the worker takes its messages from there itself, as it is ready for them.
+    pub queue: Option<Box<dyn Fetch>>,
     /// Held until the worker ends: dropping it tells the handle.
     pub _done: std::sync::mpsc::Sender<()>,
+}
+
+/// A partition's own queue in the client.
+pub(crate) trait Fetch: Send + Sync {
+    /// The next message waiting, copied out (its bytes held in `held`); `None` when none
+    /// waits.
+    fn take(&self, topic: &Arc<str>, held: &Arc<Held>) -> Option<Message>;
+
+    /// Resolves once a message may be waiting (at once if one arrived since the last
+    /// `take` that found none).
+    fn arrived(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>;
 }
 
 impl PartitionState {
@@ -104,7 +119,12 @@ impl PartitionState {
             done: done_rx,
             last_routed: i64::MIN,
         };
-        (handle, WorkerEnds { rx, _done: done_tx })
+        let ends = WorkerEnds {
+            rx,
+            queue: None,
+            _done: done_tx,
+        };
+        (handle, ends)
     }
 }
 

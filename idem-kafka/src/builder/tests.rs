@@ -29,6 +29,42 @@ fn the_byte_bound_follows_librdkafkas_prefetch_bound() {
 }
 
 #[test]
+fn the_partition_queues_prefetch_a_share_of_the_byte_bound_unless_the_client_config_says() {
+    let kbytes = |s: &IdemConsumer| {
+        let c = &s.settings().consumer_config;
+        c.get("queued.max.messages.kbytes").map(str::to_owned)
+    };
+    let queued = |s: &IdemConsumer| {
+        let c = &s.settings().consumer_config;
+        c.get("queued.min.messages").map(str::to_owned)
+    };
+    let s = builder().build().unwrap();
+    assert_eq!(kbytes(&s).as_deref(), Some("4096"), "64 MiB / 16");
+    assert_eq!(queued(&s), None, "librdkafka's own default");
+    let s = builder().max_buffered_bytes(1 << 20).build().unwrap();
+    assert_eq!(kbytes(&s).as_deref(), Some("1024"), "at least 1 MiB");
+    let s = builder().max_buffered_bytes(usize::MAX).build().unwrap();
+    assert_eq!(kbytes(&s).as_deref(), Some("2097151"), "librdkafka's most");
+    let s = builder().max_buffered(700).build().unwrap();
+    assert_eq!(queued(&s).as_deref(), Some("700"));
+    let mut config = ClientConfig::new();
+    config
+        .set("queued.max.messages.kbytes", "300")
+        .set("queued.min.messages", "9");
+    let s = ConsumerBuilder::new(config)
+        .topics(["payments"])
+        .group("billing")
+        .engine(engine())
+        .handler(|_, _| async { Ok(Bytes::new()) })
+        .max_buffered(700)
+        .build()
+        .unwrap();
+    assert_eq!(kbytes(&s).as_deref(), Some("300"), "the client config's");
+    assert_eq!(queued(&s).as_deref(), Some("9"), "the client config's");
+    assert_eq!(s.settings().max_buffered_bytes, 300 << 10);
+}
+
+#[test]
 fn the_unsettled_bound_defaults_to_the_batch_and_takes_what_is_set() {
     let s = builder().build().unwrap();
     assert_eq!(s.settings().max_unsettled, 500, "the batch size by default");

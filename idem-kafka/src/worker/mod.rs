@@ -1,6 +1,8 @@
 //! One partition's worker. The path of one message reads top to bottom:
 //!
-//! 1. [`Worker::run`] takes a poll batch that the poll thread routed here (`consumer.rs`);
+//! 1. [`Worker::run`] takes a batch of what waits in the partition's own queue in the
+//!    client ([`Worker::fill`]; the queue is split off when the partition is assigned,
+//!    `consumer.rs`);
 //! 2. [`Worker::key`] finds each message's idempotency key, and [`Worker::process`] cuts
 //!    the batch into chunks and hands each to its mode's path:
 //!    - `lease.rs`: one handler at a time under a lease (`in_flight` 1);
@@ -138,6 +140,8 @@ pub(crate) struct Worker {
     /// Time spent in store calls ([`Worker::retry`] on the store), in nanoseconds, so far:
     /// a chunk's own time, less this, is its handlers' time.
     store_nanos: AtomicU64,
+    /// The offset of the last message taken.
+    last_taken: i64,
 }
 
 impl Worker {
@@ -152,6 +156,7 @@ impl Worker {
             progress: Default::default(),
             per_message: Duration::ZERO,
             store_nanos: AtomicU64::new(0),
+            last_taken: i64::MIN,
         }
     }
 
@@ -164,21 +169,28 @@ impl Worker {
         let batch_size = self.settings().batch_size;
         let mut batch = Vec::with_capacity(batch_size);
         loop {
-            let first = tokio::select! {
-                biased;
-                () = self.ctx.crash.happens() => return,
-                () = self.state.stop.fired() => return,
-                m = self.ends.rx.recv() => match m {
-                    Some(m) => m,
-                    None => return,
-                },
-            };
-            batch.push(first);
-            while batch.len() < batch_size {
-                match self.ends.rx.try_recv() {
-                    Ok(m) => batch.push(m),
-                    Err(_) => break,
+            let mut routed = self.fill(&mut batch, batch_size);
+            while batch.is_empty() {
+                let WorkerEnds { rx, queue, .. } = &mut self.ends;
+                let arrived = match queue {
+                    Some(queue) => queue.arrived(),
+                    None => Box::pin(std::future::pending()),
+                };
+                tokio::select! {
+                    biased;
+                    () = self.ctx.crash.happens() => return,
+                    () = self.state.stop.fired() => return,
+                    m = rx.recv() => match m {
+                        Some(m) => {
+                            routed += 1;
+                            self.last_taken = m.offset();
+                            batch.push(m);
+                        }
+                        None => return,
+                    },
+                    () = arrived => {}
                 }
+                routed += self.fill(&mut batch, batch_size);
             }
             let permit = match self.ctx.permits.clone() {
                 None => None,
@@ -189,7 +201,7 @@ impl Worker {
                     p = sem.acquire_owned() => p.ok(),
                 },
             };
-            let taken = batch.len();
+            let taken = routed;
             let flow = self.process(&mut batch).await;
             drop(permit);
             batch.clear();
@@ -208,6 +220,40 @@ impl Worker {
                 return;
             }
         }
+    }
+
+    /// Takes the messages waiting for this worker into `batch`, up to `batch_size`: those
+    /// the poll thread routed first (fetched before the partition's queue was split off,
+    /// so older), then those in the partition's own queue, while the consumer holds no more
+    /// bytes than its bound (a worker holding none always takes one). A message at or
+    /// below one taken already is dropped. Returns how many the poll thread had routed.
+    fn fill(&mut self, batch: &mut Vec<Message>, batch_size: usize) -> usize {
+        let mut routed = 0;
+        while batch.len() < batch_size {
+            match self.ends.rx.try_recv() {
+                Ok(m) => {
+                    routed += 1;
+                    if m.offset() > self.last_taken {
+                        self.last_taken = m.offset();
+                        batch.push(m);
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        if let Some(queue) = &self.ends.queue {
+            let held = &self.state.held;
+            while batch.len() < batch_size && !(held.get() > 0 && held.over_budget()) {
+                let Some(m) = queue.take(&self.state.topic, held) else {
+                    break;
+                };
+                if m.offset() > self.last_taken {
+                    self.last_taken = m.offset();
+                    batch.push(m);
+                }
+            }
+        }
+        routed
     }
 
     /// One poll batch, in chunks short enough that no claimed lease waits long for its
