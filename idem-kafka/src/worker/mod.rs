@@ -1,7 +1,7 @@
 //! One partition's worker. The path of one message reads top to bottom:
 //!
 //! 1. [`Worker::run`] takes a batch of what waits in the partition's own queue in the
-//!    client ([`Worker::fill`]; the queue is split off when the partition is assigned,
+//!    client (`intake.rs`; the queue is split off when the partition is assigned,
 //!    `consumer.rs`);
 //! 2. [`Worker::key`] finds each message's idempotency key, and [`Worker::process`] cuts
 //!    the batch into chunks and hands each to its mode's path:
@@ -19,6 +19,7 @@
 //! pauses and stores offsets through, the crash token with the probe, and the dead-letter
 //! producer.
 
+mod intake;
 mod lanes;
 mod lease;
 mod resolve;
@@ -26,6 +27,8 @@ mod running;
 mod transactional;
 
 pub(crate) use running::Running;
+
+use intake::Intake;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -130,7 +133,7 @@ pub(crate) struct Worker {
     ctx: Arc<Ctx>,
     state: Arc<PartitionState>,
     engine: Engine,
-    ends: WorkerEnds,
+    ends: Option<WorkerEnds>,
     counters: Counters,
     progress: std::sync::Mutex<Progress>,
     /// Handlers that may run at once (`in_flight`).
@@ -140,8 +143,6 @@ pub(crate) struct Worker {
     /// Time spent in store calls ([`Worker::retry`] on the store), in nanoseconds, so far:
     /// a chunk's own time, less this, is its handlers' time.
     store_nanos: AtomicU64,
-    /// The offset of the last message taken.
-    last_taken: i64,
 }
 
 impl Worker {
@@ -152,11 +153,10 @@ impl Worker {
             permits: Semaphore::new(ctx.settings.in_flight),
             ctx,
             state,
-            ends,
+            ends: Some(ends),
             progress: Default::default(),
             per_message: Duration::ZERO,
             store_nanos: AtomicU64::new(0),
-            last_taken: i64::MIN,
         }
     }
 
@@ -164,33 +164,32 @@ impl Worker {
         &self.ctx.settings
     }
 
-    /// Takes poll batches in order until the partition is revoked or the consumer stops.
+    /// Takes batches in order until the partition is revoked or the consumer stops. The
+    /// next batch is taken while the current one waits on its store, so the copy out of
+    /// the client overlaps the round trips; the byte bound covers both batches.
     pub async fn run(mut self) {
+        let Some(ends) = self.ends.take() else {
+            return;
+        };
+        let mut intake = Intake::new(ends, Arc::clone(&self.state));
         let batch_size = self.settings().batch_size;
         let mut batch = Vec::with_capacity(batch_size);
+        let mut next = Vec::with_capacity(batch_size);
+        let mut routed_next = 0;
         loop {
-            let mut routed = self.fill(&mut batch, batch_size);
+            std::mem::swap(&mut batch, &mut next);
+            let mut routed = std::mem::take(&mut routed_next) + intake.fill(&mut batch, batch_size);
             while batch.is_empty() {
-                let WorkerEnds { rx, queue, .. } = &mut self.ends;
-                let arrived = match queue {
-                    Some(queue) => queue.arrived(),
-                    None => Box::pin(std::future::pending()),
-                };
-                tokio::select! {
+                let got = tokio::select! {
                     biased;
                     () = self.ctx.crash.happens() => return,
                     () = self.state.stop.fired() => return,
-                    m = rx.recv() => match m {
-                        Some(m) => {
-                            routed += 1;
-                            self.last_taken = m.offset();
-                            batch.push(m);
-                        }
-                        None => return,
-                    },
-                    () = arrived => {}
-                }
-                routed += self.fill(&mut batch, batch_size);
+                    got = intake.wait(&mut batch) => got,
+                };
+                let Some(n) = got else {
+                    return;
+                };
+                routed += n + intake.fill(&mut batch, batch_size);
             }
             let permit = match self.ctx.permits.clone() {
                 None => None,
@@ -202,7 +201,11 @@ impl Worker {
                 },
             };
             let taken = routed;
-            let flow = self.process(&mut batch).await;
+            let (flow, ()) = futures::join!(self.process(&mut batch), async {
+                // After the batch's first wait (at once for a store that never waits).
+                tokio::task::yield_now().await;
+                routed_next = intake.fill(&mut next, batch_size);
+            });
             drop(permit);
             batch.clear();
             // Counted until handled: the bound covers messages waiting and in flight.
@@ -220,40 +223,6 @@ impl Worker {
                 return;
             }
         }
-    }
-
-    /// Takes the messages waiting for this worker into `batch`, up to `batch_size`: those
-    /// the poll thread routed first (fetched before the partition's queue was split off,
-    /// so older), then those in the partition's own queue, while the consumer holds no more
-    /// bytes than its bound (a worker holding none always takes one). A message at or
-    /// below one taken already is dropped. Returns how many the poll thread had routed.
-    fn fill(&mut self, batch: &mut Vec<Message>, batch_size: usize) -> usize {
-        let mut routed = 0;
-        while batch.len() < batch_size {
-            match self.ends.rx.try_recv() {
-                Ok(m) => {
-                    routed += 1;
-                    if m.offset() > self.last_taken {
-                        self.last_taken = m.offset();
-                        batch.push(m);
-                    }
-                }
-                Err(_) => break,
-            }
-        }
-        if let Some(queue) = &self.ends.queue {
-            let held = &self.state.held;
-            while batch.len() < batch_size && !(held.get() > 0 && held.over_budget()) {
-                let Some(m) = queue.take(&self.state.topic, held) else {
-                    break;
-                };
-                if m.offset() > self.last_taken {
-                    self.last_taken = m.offset();
-                    batch.push(m);
-                }
-            }
-        }
-        routed
     }
 
     /// One poll batch, in chunks short enough that no claimed lease waits long for its
