@@ -309,7 +309,10 @@ impl ConsumerBuilder {
     ///
     /// A message of a partition whose queue could not be split off (fetched before its
     /// assignment reached the consumer) goes through the poll thread instead; of those, at
-    /// most this many wait for the worker, and the partition is paused past it.
+    /// most this many wait for the worker, and the partition is paused past it. While
+    /// every partition fed that way holds four batches ([`batch_size`](Self::batch_size) ×
+    /// 4, at most this), the poll thread copies no more of them and waits (up to 50 ms at a
+    /// time) for a worker to run low.
     pub fn max_buffered(mut self, n: usize) -> Self {
         self.max_buffered = Some(n);
         self
