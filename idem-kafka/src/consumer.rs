@@ -10,20 +10,19 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use rdkafka::config::RDKafkaLogLevel;
-use rdkafka::consumer::base_consumer::PartitionQueue;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message as _};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, TopicPartitionList};
-use tokio::sync::{Notify, Semaphore, oneshot};
+use tokio::sync::{Semaphore, oneshot};
 
-use crate::budget::Held;
 use crate::client::{Client, log_to_tracing};
 use crate::crash::Crash;
 use crate::dead_letter::write::Writer;
 use crate::handle::{BYTES, Fetch, PartitionState, Route, WorkerHandle};
 use crate::probe::Point;
+use crate::queue::Queue;
 use crate::settings::{Mode, Settings};
 use crate::worker::{Ctx, Worker};
 use crate::{Error, Result};
@@ -595,39 +594,5 @@ fn close(shared: &Shared, consumer: Arc<BaseConsumer<LoopContext>>) {
     drop(consumer);
     if let (true, Some(probe)) = (crashed, shared.ctx.crash.probe()) {
         probe.closed();
-    }
-}
-
-/// A partition's queue split off the client's main one, and the signal its client raises
-/// when the queue turns non-empty.
-struct Queue {
-    queue: PartitionQueue<LoopContext>,
-    arrived: Arc<Notify>,
-}
-
-impl Queue {
-    fn boxed(mut queue: PartitionQueue<LoopContext>) -> Box<dyn Fetch> {
-        let arrived = Arc::new(Notify::new());
-        let signal = Arc::clone(&arrived);
-        queue.set_nonempty_callback(move || signal.notify_one());
-        Box::new(Queue { queue, arrived })
-    }
-}
-
-impl Fetch for Queue {
-    fn take(&self, topic: &Arc<str>, held: &Arc<Held>) -> Option<crate::Message> {
-        loop {
-            match self.queue.poll(Duration::ZERO)? {
-                Ok(m) => {
-                    let hold = |weight| held.hold(weight).0;
-                    return Some(crate::Message::from_borrowed(Arc::clone(topic), &m, hold));
-                }
-                Err(e) => tracing::warn!(error = %e, "consumer error"),
-            }
-        }
-    }
-
-    fn arrived(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        Box::pin(self.arrived.notified())
     }
 }

@@ -16,6 +16,7 @@ mod message;
 pub mod metrics;
 mod order;
 mod probe;
+mod queue;
 mod replay;
 mod settings;
 mod slot;
