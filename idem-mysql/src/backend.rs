@@ -13,7 +13,7 @@ use sqlx::{AssertSqlSafe, Executor};
 
 use crate::config::MySqlConfig;
 use crate::error::{map, within};
-use crate::locked::decode;
+use crate::row::decode;
 use crate::sql::Tables;
 
 /// What every connection of idem's pool runs first: read committed, so that a claim's

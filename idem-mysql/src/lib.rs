@@ -8,6 +8,7 @@ mod config;
 mod driver;
 mod error;
 mod locked;
+mod row;
 mod settle;
 mod sql;
 mod transactional;
