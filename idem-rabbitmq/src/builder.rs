@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use idem_core::binding::{HandlerResult, MissingKey};
 use idem_core::{Context, Engine, MemoryBackend};
 
-use crate::consumer::{DynHandler, Mode, Settings};
+use crate::settings::{DynHandler, Mode, Settings};
 use crate::{DeadLetters, Error, IdemConsumer, KeySource, Message, Probe, Result};
 
 /// Builds an [`IdemConsumer`]: [`IdemConsumer::builder`], then the queue and a handler.

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
-use idem_core::binding::{Backoff, Budget, MissingKey};
-use idem_core::{Context, Engine, Key};
+use idem_core::Key;
+use idem_core::binding::{Backoff, Budget};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
@@ -20,40 +20,11 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::handle::{Handled, Received, Session};
-use crate::{DeadLetters, Error, KeySource, Message, Probe, Result};
-use idem_core::binding::HandlerResult;
-
-pub(crate) type DynHandler =
-    Arc<dyn Fn(Message, Option<Context>) -> BoxFuture<'static, HandlerResult> + Send + Sync>;
-
-/// How a keyed message runs.
-pub(crate) enum Mode {
-    /// The handler under a lease; the engine stores its result.
-    Lease(DynHandler),
-    /// The handler's writes and the record in one transaction of this store.
-    Transactional(Arc<dyn crate::tx::TxStore>),
-}
+use crate::settings::{Mode, Settings};
+use crate::{Error, Result};
 
 /// How long a stopping consumer waits for the server to confirm the connection's close.
 const CLOSE_WITHIN: Duration = Duration::from_secs(5);
-
-/// What the builder settled on.
-pub(crate) struct Settings {
-    pub uri: String,
-    pub queue: Arc<str>,
-    pub namespace: String,
-    pub key_source: KeySource,
-    pub engine: Engine,
-    pub mode: Mode,
-    pub dead_letters: DeadLetters,
-    pub missing_key: MissingKey,
-    pub prefetch: u16,
-    pub in_flight: usize,
-    pub max_bytes: usize,
-    pub batch_size: usize,
-    pub backoff: (Duration, Duration),
-    pub probe: Option<Arc<dyn Probe>>,
-}
 
 /// An effectively-once consumer of one RabbitMQ queue: each delivery's key is claimed,
 /// its handler run once under a lease, its result stored, and only then is it acked (or

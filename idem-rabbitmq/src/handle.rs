@@ -16,8 +16,8 @@ use lapin::options::BasicAckOptions;
 use lapin::{Acker, Channel};
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::{Mode, Settings};
 use crate::dead_letter::Letter;
+use crate::settings::{Mode, Settings};
 use crate::{Error, Message, Point, Result, Verdict};
 
 /// What became of one delivery.

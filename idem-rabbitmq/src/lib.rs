@@ -10,6 +10,7 @@ mod error;
 mod handle;
 mod message;
 mod probe;
+mod settings;
 mod tx;
 
 use idem_core::binding;
