@@ -2,7 +2,7 @@
 //!
 //! 1. [`Worker::run`] takes a batch of what waits in the partition's own queue in the
 //!    client (`intake.rs`; the queue is split off when the partition is assigned,
-//!    `consumer.rs`);
+//!    `consumer.rs`, and read through `queue.rs`);
 //! 2. [`Worker::key`] finds each message's idempotency key, and [`Worker::process`] cuts
 //!    the batch into chunks and hands each to its mode's path:
 //!    - `lease.rs`: one handler at a time under a lease (`in_flight` 1);
