@@ -20,10 +20,23 @@ use crate::{Backend, Error, Key, Lease, Record, Result, Timestamp};
 /// collision floods, and SipHash's extra strength costs more than the rest of a claim.
 type Hasher = foldhash::fast::RandomState;
 
-/// One shard: its records, each boxed and found by the key it holds. A slot of the table
-/// is one pointer, so the table stays small and growing it moves eight bytes a record (a
-/// record inline is about 190 bytes, and a map keyed by a copy of the key held it twice).
-type Shard = Mutex<HashTable<Box<Record>>>;
+/// One shard: its records, each boxed and found by the key it holds.
+type Shard = Mutex<HashTable<Slot>>;
+
+/// A record and its key's hash. A slot is 16 bytes, so the table stays small, and growing
+/// it moves 16 bytes a record and reads no record (inline, a record is about 190 bytes,
+/// and a map keyed by a copy of the key held the key twice).
+#[derive(Debug)]
+struct Slot {
+    hash: u64,
+    record: Box<Record>,
+}
+
+impl Slot {
+    fn holds(&self, hash: u64, key: &Key) -> bool {
+        self.hash == hash && self.record.key == *key
+    }
+}
 
 /// Records in process memory, lost when the process ends.
 ///
@@ -75,7 +88,10 @@ impl MemoryBackend {
         let now = self.clock.now();
         self.shards
             .iter()
-            .map(|s| lock(s).iter().filter(|r| machine::is_live(r, now)).count())
+            .map(|s| {
+                let shard = lock(s);
+                shard.iter().filter(|s| machine::is_live(&s.record, now)).count()
+            })
             .sum()
     }
 
@@ -88,7 +104,7 @@ impl MemoryBackend {
     /// hash, as its table places a key by the low bits (and tags it by the top seven):
     /// picked by the low bits, every key of a shard would have the same low six bits and
     /// start its probe in one 64th of the slots.
-    fn shard(&self, key: &Key) -> (MutexGuard<'_, HashTable<Box<Record>>>, u64) {
+    fn shard(&self, key: &Key) -> (MutexGuard<'_, HashTable<Slot>>, u64) {
         let hash = self.hasher.hash_one(key);
         let i = (hash >> 32) as usize % self.shards.len();
         (lock(&self.shards[i]), hash)
@@ -97,7 +113,7 @@ impl MemoryBackend {
     /// The record of `key` in its shard, to read or change under the shard's lock.
     fn with_record<T>(&self, key: &Key, f: impl FnOnce(Option<&mut Record>) -> T) -> T {
         let (mut shard, hash) = self.shard(key);
-        f(shard.find_mut(hash, |r| r.key == *key).map(|r| &mut **r))
+        f(shard.find_mut(hash, |s| s.holds(hash, key)).map(|s| &mut *s.record))
     }
 
     /// Applies a fencing transition in place and returns the new lease deadline, if any;
@@ -127,19 +143,19 @@ impl MemoryBackend {
     /// key is hashed and looked up once.
     fn claim_at(&self, claim: &Claim, now: Timestamp) -> ClaimOutcome {
         let (mut shard, hash) = self.shard(&claim.key);
-        let (key, hasher) = (&claim.key, &self.hasher);
-        match shard.entry(hash, |r| r.key == *key, |r| hasher.hash_one(&r.key)) {
+        match shard.entry(hash, |s| s.holds(hash, &claim.key), |s| s.hash) {
             Entry::Occupied(mut slot) => {
-                let (answer, next) = machine::claim(Some(slot.get()), claim, now);
+                let (answer, next) = machine::claim(Some(&slot.get().record), claim, now);
                 if let Some(next) = next {
-                    **slot.get_mut() = next;
+                    *slot.get_mut().record = next;
                 }
                 answer
             }
             Entry::Vacant(slot) => {
                 let (answer, next) = machine::claim(None, claim, now);
                 if let Some(next) = next {
-                    slot.insert(Box::new(next));
+                    let record = Box::new(next);
+                    slot.insert(Slot { hash, record });
                 }
                 answer
             }
@@ -165,7 +181,7 @@ impl MemoryBackend {
 
 /// A poisoned lock only means another thread panicked while holding it; every write
 /// under it is a single `insert`, so the map is still whole.
-fn lock(shard: &Shard) -> MutexGuard<'_, HashTable<Box<Record>>> {
+fn lock(shard: &Shard) -> MutexGuard<'_, HashTable<Slot>> {
     shard.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -212,8 +228,8 @@ impl Backend for MemoryBackend {
         let now = self.clock.now();
         let removed = {
             let (mut shard, hash) = self.shard(key);
-            match shard.find_entry(hash, |r| r.key == *key) {
-                Ok(slot) => Some(slot.remove().0),
+            match shard.find_entry(hash, |s| s.holds(hash, key)) {
+                Ok(slot) => Some(slot.remove().0.record),
                 Err(_) => None,
             }
         };
@@ -227,7 +243,7 @@ impl Backend for MemoryBackend {
         for shard in self.shards.iter() {
             let mut map = lock(shard);
             let before = map.len();
-            map.retain(|r| machine::is_live(r, now));
+            map.retain(|s| machine::is_live(&s.record, now));
             purged += (before - map.len()) as u64;
         }
         Ok(purged)
@@ -243,11 +259,12 @@ impl Backend for MemoryBackend {
         let mut out = Vec::new();
         for shard in self.shards.iter() {
             let map = lock(shard);
-            let live = map.iter().filter(|r| machine::is_live(r, now));
+            let records = map.iter().map(|s| &*s.record);
+            let live = records.filter(|r| machine::is_live(r, now));
             out.extend(
                 live.filter(|r| filter.matches(r))
                     .take(limit - out.len())
-                    .map(|r| Record::clone(r)),
+                    .cloned(),
             );
             if out.len() >= limit {
                 break;
