@@ -90,7 +90,10 @@ impl MemoryBackend {
             .iter()
             .map(|s| {
                 let shard = lock(s);
-                shard.iter().filter(|s| machine::is_live(&s.record, now)).count()
+                shard
+                    .iter()
+                    .filter(|s| machine::is_live(&s.record, now))
+                    .count()
             })
             .sum()
     }
@@ -113,7 +116,9 @@ impl MemoryBackend {
     /// The record of `key` in its shard, to read or change under the shard's lock.
     fn with_record<T>(&self, key: &Key, f: impl FnOnce(Option<&mut Record>) -> T) -> T {
         let (mut shard, hash) = self.shard(key);
-        f(shard.find_mut(hash, |s| s.holds(hash, key)).map(|s| &mut *s.record))
+        f(shard
+            .find_mut(hash, |s| s.holds(hash, key))
+            .map(|s| &mut *s.record))
     }
 
     /// Applies a fencing transition in place and returns the new lease deadline, if any;
