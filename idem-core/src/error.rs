@@ -68,6 +68,44 @@ pub enum Error {
         /// The operation.
         operation: &'static str,
     },
+    /// The server refused the connection because a setting is wrong: the same settings
+    /// fail the same way, so this is not retried.
+    #[error("{server} refused the connection: {why}: {message}")]
+    Refused {
+        /// The server, as `host:port`.
+        server: String,
+        /// Which setting is wrong.
+        why: Refusal,
+        /// What the server or the TLS library said.
+        message: String,
+        /// The driver's error.
+        #[source]
+        source: Option<BoxError>,
+    },
+}
+
+/// Why a server refused a connection ([`Error::Refused`]); the bindings name the same
+/// three for their brokers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The user, password or token was not accepted.
+    Authentication,
+    /// The server's certificate is not signed by a trusted CA or does not name the host
+    /// (or the server did not accept the client's certificate).
+    UntrustedCertificate,
+    /// One side speaks TLS and the other plaintext.
+    TlsMismatch,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Refusal::Authentication => "wrong user or password",
+            Refusal::UntrustedCertificate => "untrusted certificate",
+            Refusal::TlsMismatch => "TLS/plaintext mismatch",
+        })
+    }
 }
 
 impl Error {
@@ -83,6 +121,21 @@ impl Error {
         Error::Corrupt {
             message: message.into(),
             source: None,
+        }
+    }
+
+    /// An [`Error::Refused`] of `server` (`host:port`), keeping `source`.
+    pub fn refused(
+        server: impl Into<String>,
+        why: Refusal,
+        message: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Error::Refused {
+            server: server.into(),
+            why,
+            message: message.into(),
+            source: Some(source.into()),
         }
     }
 

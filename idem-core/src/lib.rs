@@ -18,7 +18,7 @@ mod transactional;
 // author or a test needs is in `backend`; what the broker bindings share, in `binding`.
 pub use backend::Backend;
 pub use engine::{Engine, EngineBuilder, Outcome, WaitPolicy};
-pub use error::{BoxError, Error, Result};
+pub use error::{BoxError, Error, Refusal, Result};
 pub use handler::{Context, HandlerError};
 pub use key::{Fingerprint, Key, MAX_ID_BYTES, MAX_NAMESPACE_BYTES};
 pub use memory::MemoryBackend;

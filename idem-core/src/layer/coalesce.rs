@@ -334,6 +334,17 @@ fn again(e: &Error) -> Error {
             source: text(source),
         },
         Error::Unsupported { operation } => Error::Unsupported { operation },
+        Error::Refused {
+            server,
+            why,
+            message,
+            source,
+        } => Error::Refused {
+            server: server.clone(),
+            why: *why,
+            message: message.clone(),
+            source: text(source),
+        },
     }
 }
 
