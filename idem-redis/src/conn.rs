@@ -14,7 +14,7 @@ use redis::cluster_routing::{
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::RedisConfig;
-use crate::error::from_redis;
+use crate::error::{from_connect, from_redis};
 
 /// A cluster node, as `(host, port)`.
 pub(crate) type Node = (String, u16);
@@ -29,14 +29,34 @@ impl Conn {
     /// Connects now, within the configured timeout.
     pub(crate) async fn connect(config: &RedisConfig) -> Result<Self> {
         let limit = config.timeout();
+        let first = config.nodes().first().map_or("", String::as_str);
+        let (server, tls) = server_of(first);
+        // What a timeout names: a plaintext port never answers a TLS handshake.
+        let what = if tls {
+            format!(
+                "TLS connect to {server} (is it a TLS port? plaintext ones answer no handshake)"
+            )
+        } else {
+            format!("connect to {server}")
+        };
         Ok(if config.is_cluster() {
             let client = cluster_client(config)?;
             let connect = client.get_async_connection_with_config(cluster_config(limit));
-            Conn::Cluster(within("connect", limit, connect).await?)
+            Conn::Cluster(
+                idem_core::layer::within(&what, limit, async {
+                    connect.await.map_err(|e| from_connect(&server, tls, e))
+                })
+                .await?,
+            )
         } else {
             let connect =
                 ConnectionManager::new_with_config(single_client(config)?, manager_config(limit));
-            Conn::Single(within("connect", limit, connect).await?)
+            Conn::Single(
+                idem_core::layer::within(&what, limit, async {
+                    connect.await.map_err(|e| from_connect(&server, tls, e))
+                })
+                .await?,
+            )
         })
     }
 
@@ -135,6 +155,21 @@ impl ConnectionLike for Conn {
             Conn::Single(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
         }
+    }
+}
+
+/// `host:port` of a node's URL, and whether it is `rediss://`.
+fn server_of(url: &str) -> (String, bool) {
+    match url::Url::parse(url) {
+        Ok(u) => (
+            format!(
+                "{}:{}",
+                u.host_str().unwrap_or("?"),
+                u.port().unwrap_or(6379)
+            ),
+            u.scheme() == "rediss",
+        ),
+        Err(_) => ("<unparsable URL>".to_owned(), false),
     }
 }
 

@@ -1,148 +1,54 @@
-//! `rediss://` against a private TLS `redis-server` whose certificate a private CA signed.
-//! Runs with the `tls` feature: `cargo test -p idem-redis --features tls --test tls`
-//! (scripts/test does).
+//! `rediss://` with AUTH (the ElastiCache shape) against the private TLS-only Redis that
+//! `scripts/services` starts (`IDEM_REDIS_TLS_URL`), whose certificate the test CA
+//! (`IDEM_TLS_CA`) signed; and each wrong setting refused at connect, naming the server.
 #![cfg(feature = "tls")]
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use common::{HOUR, claim, closed_port};
-use idem_conformance::unique_namespace;
+use common::{HOUR, claim};
+use idem_conformance::{service_env, unique_namespace};
 use idem_core::backend::ClaimOutcome;
-use idem_core::{Backend, Error, Key};
+use idem_core::{Backend, Error, Key, Refusal};
 use idem_redis::{RedisBackend, RedisConfig};
 
-fn run(dir: &Path, args: &[&str]) {
-    let status = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("openssl is not installed (apt-get install openssl)");
-    assert!(status.success(), "openssl {args:?} failed");
+fn ca() -> Vec<u8> {
+    std::fs::read(service_env("IDEM_TLS_CA")).expect("read IDEM_TLS_CA")
 }
 
-/// A CA, and a certificate for 127.0.0.1 that it signed, in a fresh directory.
-fn certificates() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("idem-tls-{}", unique_namespace()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    run(
-        &dir,
-        &[
-            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-        ]
-        .into_iter()
-        .chain([
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-subj",
-            "/CN=idem test CA",
-        ])
-        .collect::<Vec<_>>(),
-    );
-    run(
-        &dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server.key",
-        ]
-        .into_iter()
-        .chain(["-out", "server.csr", "-subj", "/CN=127.0.0.1"])
-        .collect::<Vec<_>>(),
-    );
-    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").expect("ext");
-    run(
-        &dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-        ]
-        .into_iter()
-        .chain([
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "server.pem",
-        ])
-        .collect::<Vec<_>>(),
-    );
-    dir
+fn tls_url() -> String {
+    service_env("IDEM_REDIS_TLS_URL")
 }
 
-struct TlsServer {
-    port: u16,
-    child: Child,
+/// `host:port` of the TLS server.
+fn tls_server() -> String {
+    let url = url::Url::parse(&tls_url()).expect("IDEM_REDIS_TLS_URL");
+    format!(
+        "{}:{}",
+        url.host_str().expect("host"),
+        url.port().expect("port")
+    )
 }
 
-impl Drop for TlsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// What connecting with `config` is refused with.
+async fn refused(config: RedisConfig) -> (String, Refusal, String) {
+    let res = RedisBackend::connect(config.with_timeout(Duration::from_secs(2))).await;
+    let err = match res {
+        Err(e) => e,
+        Ok(_) => panic!("connected, where a refusal was expected"),
+    };
+    let text = err.to_string();
+    match err {
+        Error::Refused { server, why, .. } => (server, why, text),
+        other => panic!("expected a refusal, got {other:?}"),
     }
-}
-
-async fn tls_server(dir: &Path) -> TlsServer {
-    let port = closed_port();
-    let child = Command::new("redis-server")
-        .args([
-            "--port",
-            "0",
-            "--bind",
-            "127.0.0.1",
-            "--tls-port",
-            &port.to_string(),
-        ])
-        .args([
-            "--tls-cert-file",
-            "server.pem",
-            "--tls-key-file",
-            "server.key",
-        ])
-        .args(["--tls-ca-cert-file", "ca.pem", "--tls-auth-clients", "no"])
-        .args(["--save", "", "--appendonly", "no"])
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server is not installed: run `eval \"$(scripts/services up)\"`");
-    let server = TlsServer { port, child };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        assert!(Instant::now() < deadline, "TLS redis-server did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    server
 }
 
 #[tokio::test]
-async fn claims_over_tls_with_a_private_ca() {
-    let dir = certificates();
-    let server = tls_server(&dir).await;
-    let ca = std::fs::read(dir.join("ca.pem")).expect("ca.pem");
-    let url = format!("rediss://127.0.0.1:{}/", server.port);
-    let config = RedisConfig::new(&url).with_tls_root_cert(ca);
+async fn claims_over_tls_with_auth_and_a_private_ca() {
+    let config = RedisConfig::new(tls_url()).with_tls_root_cert(ca());
     let backend = RedisBackend::connect(config)
         .await
         .expect("connect over TLS");
@@ -160,16 +66,68 @@ async fn claims_over_tls_with_a_private_ca() {
         replay,
         ClaimOutcome::Completed(Bytes::from_static(b"sealed"))
     );
+}
 
-    // Without the CA the server's certificate is not trusted; plain TCP gets no answer.
-    let untrusted = RedisConfig::new(&url).with_timeout(Duration::from_millis(500));
-    let res = RedisBackend::connect(untrusted).await;
-    assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
-    let plain = format!("redis://127.0.0.1:{}/", server.port);
+#[tokio::test]
+async fn a_wrong_password_is_refused_naming_the_server() {
+    let mut url = url::Url::parse(&tls_url()).expect("url");
+    url.set_password(Some("not-the-password"))
+        .expect("password");
+    let (server, why, text) =
+        refused(RedisConfig::new(url.as_str()).with_tls_root_cert(ca())).await;
+    assert_eq!(why, Refusal::Authentication, "{text}");
+    assert_eq!(server, tls_server());
+    assert!(
+        text.contains(&tls_server()) && text.contains("password"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("not-the-password"),
+        "the password leaked: {text}"
+    );
+}
+
+#[tokio::test]
+async fn an_untrusted_certificate_is_refused_naming_the_server() {
+    // No CA given: the webpki roots do not hold the test CA.
+    let (server, why, text) = refused(RedisConfig::new(tls_url())).await;
+    assert_eq!(why, Refusal::UntrustedCertificate, "{text}");
+    assert_eq!(server, tls_server());
+    assert!(text.contains("certificate"), "{text}");
+}
+
+#[tokio::test]
+async fn plaintext_to_the_tls_port_is_a_mismatch() {
+    let plain = tls_url().replacen("rediss://", "redis://", 1);
+    let (server, why, text) = refused(RedisConfig::new(plain)).await;
+    assert_eq!(why, Refusal::TlsMismatch, "{text}");
+    assert_eq!(server, tls_server());
+    assert!(text.contains("rediss://"), "{text}");
+}
+
+#[tokio::test]
+async fn tls_to_a_plaintext_server_times_out_saying_so() {
+    // A plaintext Redis answers a TLS handshake with nothing at all, which is what a slow
+    // server does too: `Unavailable`, with the likely cause named.
+    let plain = service_env("IDEM_REDIS_URL");
+    let tls = plain.replacen("redis://", "rediss://", 1);
+    let config = RedisConfig::new(tls).with_tls_root_cert(ca());
+    let res = RedisBackend::connect(config.with_timeout(Duration::from_millis(500))).await;
+    let err = res
+        .map(|_| ())
+        .expect_err("a TLS handshake with a plaintext server");
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(err.to_string().contains("is it a TLS port?"), "{err}");
+}
+
+#[tokio::test]
+async fn a_server_that_is_down_stays_unavailable() {
+    let url = format!("redis://127.0.0.1:{}/", common::closed_port());
     let res =
-        RedisBackend::connect(RedisConfig::new(plain).with_timeout(Duration::from_millis(500)))
-            .await;
-    assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
-    drop(server);
-    let _ = std::fs::remove_dir_all(&dir);
+        RedisBackend::connect(RedisConfig::new(url).with_timeout(Duration::from_secs(1))).await;
+    assert!(
+        matches!(res, Err(Error::Unavailable { .. })),
+        "{:?}",
+        res.map(|_| ())
+    );
 }
