@@ -8,11 +8,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement};
 use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlSslMode};
 use sqlx::{AssertSqlSafe, Executor};
 
 use crate::config::MySqlConfig;
-use crate::error::{map, within};
+use crate::error::{first_contact, map, within};
 use crate::row::decode;
 use crate::sql::Tables;
 
@@ -35,7 +35,12 @@ pub struct MySqlBackend {
 }
 
 impl MySqlBackend {
-    /// Connects a pool. Does not create tables: call [`MySqlBackend::migrate`] once.
+    /// Connects a pool, its first connection made now. Does not create tables: call
+    /// [`MySqlBackend::migrate`] once.
+    ///
+    /// A server that refuses idem (a wrong user or password, a certificate not trusted, TLS
+    /// on one side only) is [`Error::Refused`], naming the server (`host:port`) and which
+    /// refusal it is; a server that cannot be reached is [`Error::Unavailable`].
     pub async fn connect(config: MySqlConfig) -> Result<Self> {
         let connect_timeout = config.connect_timeout();
         if config.max_connections() == 0 {
@@ -57,9 +62,17 @@ impl MySqlBackend {
             .after_connect(|conn, _| {
                 Box::pin(async move { conn.execute(SESSION).await.map(drop) })
             });
-        // The first connection is bounded too: a server that accepts and never answers is
-        // `Unavailable` after `connect_timeout`, not a hang.
-        let pool = within(&what, connect_timeout, pool.connect_with(options)).await?;
+        // The first connection is made here, at start, and bounded: a server that accepts
+        // and never answers is `Unavailable` after `connect_timeout`, not a hang; a wrong
+        // password, an untrusted certificate or a TLS mismatch is `Refused`, now.
+        let server = format!("{}:{}", options.get_host(), options.get_port());
+        let plaintext = matches!(options.get_ssl_mode(), MySqlSslMode::Disabled);
+        let first = async {
+            pool.connect_with(options)
+                .await
+                .map_err(|e| first_contact(&what, &server, plaintext, e))
+        };
+        let pool = idem_core::layer::within(&what, connect_timeout, first).await?;
         Self::from_pool(pool, config)
     }
 

@@ -1,6 +1,6 @@
 //! Maps sqlx errors to idem's error kinds.
 
-use idem_core::Error;
+use idem_core::{Error, Refusal};
 
 /// MySQL error numbers.
 pub(crate) mod code {
@@ -14,6 +14,11 @@ pub(crate) mod code {
     pub const NO_TABLE: u16 = 1146;
     /// `ER_BAD_DB_ERROR`.
     pub const NO_DATABASE: u16 = 1049;
+    /// `ER_ACCESS_DENIED_ERROR`: a wrong user or password, and also MariaDB's answer to a
+    /// plaintext login when it requires TLS.
+    pub const ACCESS_DENIED: u16 = 1045;
+    /// `ER_SECURE_TRANSPORT_REQUIRED` (MySQL): the server accepts only TLS connections.
+    pub const SECURE_TRANSPORT_REQUIRED: u16 = 3159;
 }
 
 /// The server's error number of `e`, if it is a server error.
@@ -84,4 +89,77 @@ pub(crate) async fn within<T>(
     fut: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> idem_core::Result<T> {
     idem_core::layer::within(what, limit, async { fut.await.map_err(|e| map(what, e)) }).await
+}
+
+/// Maps an error of the first connection to `server` (`host:port`), made at start. A
+/// refusal that no retry cures is [`Error::Refused`], saying which: a wrong user or
+/// password, a server certificate not trusted, or TLS on one side only. TLS settings that
+/// cannot be used (an unreadable CA file) are `Config`; anything else is [`map`]'s.
+/// `plaintext`: the URL turned TLS off (`ssl-mode=DISABLED`).
+pub(crate) fn first_contact(what: &str, server: &str, plaintext: bool, e: sqlx::Error) -> Error {
+    let refusal = match &e {
+        sqlx::Error::Database(db) => match number(&e) {
+            // MariaDB answers a plaintext login to a server that requires TLS this way too.
+            Some(code::ACCESS_DENIED) if plaintext => Some((
+                Refusal::Authentication,
+                format!(
+                    "{}; or the server requires TLS, which ssl-mode=DISABLED turned off",
+                    db.message()
+                ),
+            )),
+            Some(code::ACCESS_DENIED) => Some((Refusal::Authentication, db.message().to_owned())),
+            Some(code::SECURE_TRANSPORT_REQUIRED) => Some((
+                Refusal::TlsMismatch,
+                "the server accepts only TLS connections: use ssl-mode=VERIFY_IDENTITY \
+                 (or REQUIRED)"
+                    .to_owned(),
+            )),
+            _ => None,
+        },
+        sqlx::Error::Tls(inner) if inner.to_string().contains("does not support TLS") => Some((
+            Refusal::TlsMismatch,
+            "the server does not offer TLS, and the URL's ssl-mode requires it".to_owned(),
+        )),
+        sqlx::Error::Tls(_) => {
+            return Error::Config {
+                message: format!("{what}: TLS could not be set up"),
+                source: Some(Box::new(e)),
+            };
+        }
+        other => untrusted(other).map(|why| {
+            let advice = format!(
+                "the server's certificate does not verify ({why}): \
+                 name the CA that signed it with ssl-ca=<file>"
+            );
+            (Refusal::UntrustedCertificate, advice)
+        }),
+    };
+    match refusal {
+        Some((why, message)) => Error::refused(server, why, format!("MySQL: {message}"), e),
+        None => map(what, e),
+    }
+}
+
+/// Why the server's certificate was refused, if that is what `e` is.
+#[cfg(feature = "tls")]
+fn untrusted(e: &sqlx::Error) -> Option<String> {
+    let sqlx::Error::Io(io) = e else { return None };
+    use rustls::CertificateError as Why;
+    let rustls::Error::InvalidCertificate(why) = io.get_ref()?.downcast_ref::<rustls::Error>()?
+    else {
+        return None;
+    };
+    Some(match why {
+        Why::UnknownIssuer => "signed by a CA not trusted here".to_owned(),
+        Why::NotValidForName | Why::NotValidForNameContext { .. } => {
+            format!("not issued for this host: {why}")
+        }
+        other => other.to_string(),
+    })
+}
+
+/// Without TLS there is no certificate to refuse.
+#[cfg(not(feature = "tls"))]
+fn untrusted(_: &sqlx::Error) -> Option<String> {
+    None
 }

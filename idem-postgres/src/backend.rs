@@ -19,7 +19,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::config::PgConfig;
-use crate::error::{map, within};
+use crate::error::{first_contact, map, within};
 use crate::sql::Statements;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -54,7 +54,7 @@ async fn restoring_begin(options: &PgConnectOptions, what: &str) -> Result<Arc<s
     ];
     let mut conn = sqlx::PgConnection::connect_with(options)
         .await
-        .map_err(|e| map(what, e))?;
+        .map_err(|e| first_contact(what, &server(options), e))?;
     let mut text = String::from("BEGIN");
     for (name, _) in PLANNING {
         let value: String = sqlx::query_scalar("SELECT current_setting($1)")
@@ -69,6 +69,11 @@ async fn restoring_begin(options: &PgConnectOptions, what: &str) -> Result<Arc<s
     }
     let _ = conn.close().await;
     Ok(Arc::from(text))
+}
+
+/// The server `options` reach, as `host:port`, for error messages.
+fn server(options: &PgConnectOptions) -> String {
+    format!("{}:{}", options.get_host(), options.get_port())
 }
 
 /// Records in a PostgreSQL table; the database clock (`now()`) decides lease lapse.
@@ -93,7 +98,12 @@ pub struct PgBackend {
 }
 
 impl PgBackend {
-    /// Connects a pool. Does not create tables: call [`PgBackend::migrate`] once.
+    /// Connects a pool, its first connection made now. Does not create tables: call
+    /// [`PgBackend::migrate`] once.
+    ///
+    /// A server that refuses idem (a wrong user or password, a certificate not trusted, TLS
+    /// on one side only) is [`Error::Refused`], naming the server (`host:port`) and which
+    /// refusal it is; a server that cannot be reached is [`Error::Unavailable`].
     pub async fn connect(config: PgConfig) -> Result<Self> {
         let connect_timeout = config.connect_timeout();
         if config.max_connections() == 0 {
@@ -104,8 +114,9 @@ impl PgBackend {
         let options = PgConnectOptions::from_str(config.url())
             .map_err(|e| map(&what, e))?
             .application_name(config.application_name());
-        // The first connection is bounded too: a server that accepts and never answers
-        // is `Unavailable` after `connect_timeout`, not a hang.
+        // The first connection is made here, at start, and bounded: a server that accepts
+        // and never answers is `Unavailable` after `connect_timeout`, not a hang; a wrong
+        // password, an untrusted certificate or a TLS mismatch is `Refused`, now.
         let begin = tokio::time::timeout(connect_timeout, restoring_begin(&options, &what))
             .await
             .map_err(|_| Error::Unavailable {
@@ -118,9 +129,9 @@ impl PgBackend {
             // No ping before every checkout: it doubles the round trips, and a dead
             // connection surfaces as `Unavailable` on its next statement anyway.
             .test_before_acquire(false)
-            .connect_with(options.options(PLANNING))
+            .connect_with(options.clone().options(PLANNING))
             .await
-            .map_err(|e| map(&what, e))?;
+            .map_err(|e| first_contact(&what, &server(&options), e))?;
         let mut backend = Self::from_pool(pool, config)?;
         backend.begin = begin;
         Ok(backend)

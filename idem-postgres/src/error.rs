@@ -1,6 +1,6 @@
 //! Maps sqlx errors to idem's error kinds.
 
-use idem_core::Error;
+use idem_core::{Error, Refusal};
 
 /// SQLSTATE codes that mean "try again": serialization failure, deadlock, lock not
 /// available, query cancelled (statement timeout), too many connections, and the
@@ -59,4 +59,69 @@ pub(crate) async fn within<T>(
     fut: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> idem_core::Result<T> {
     idem_core::layer::within(what, limit, async { fut.await.map_err(|e| map(what, e)) }).await
+}
+
+/// Maps an error of the first connection to `server` (`host:port`), made at start. A
+/// refusal that no retry cures is [`Error::Refused`], saying which: a wrong user or
+/// password, a server certificate not trusted, or TLS on one side only. TLS settings that
+/// cannot be used (an unreadable CA file) are `Config`; anything else is [`map`]'s.
+pub(crate) fn first_contact(what: &str, server: &str, e: sqlx::Error) -> Error {
+    let refusal = match &e {
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            Some("28P01") => Some((Refusal::Authentication, db.message().to_owned())),
+            Some("28000") if db.message().contains("no encryption") => Some((
+                Refusal::TlsMismatch,
+                "the server accepts only TLS connections: use sslmode=verify-full (or require)"
+                    .to_owned(),
+            )),
+            // No pg_hba.conf line lets this user in from here (over this transport).
+            Some("28000") => Some((Refusal::Authentication, db.message().to_owned())),
+            _ => None,
+        },
+        sqlx::Error::Tls(inner) if inner.to_string().contains("does not support TLS") => Some((
+            Refusal::TlsMismatch,
+            "the server does not offer TLS, and the URL's sslmode requires it".to_owned(),
+        )),
+        sqlx::Error::Tls(_) => {
+            return Error::Config {
+                message: format!("{what}: TLS could not be set up"),
+                source: Some(Box::new(e)),
+            };
+        }
+        other => untrusted(other).map(|why| {
+            let advice = format!(
+                "the server's certificate does not verify ({why}): \
+                 name the CA that signed it with sslrootcert=<file>"
+            );
+            (Refusal::UntrustedCertificate, advice)
+        }),
+    };
+    match refusal {
+        Some((why, message)) => Error::refused(server, why, format!("PostgreSQL: {message}"), e),
+        None => map(what, e),
+    }
+}
+
+/// Why the server's certificate was refused, if that is what `e` is.
+#[cfg(feature = "tls")]
+fn untrusted(e: &sqlx::Error) -> Option<String> {
+    let sqlx::Error::Io(io) = e else { return None };
+    use rustls::CertificateError as Why;
+    let rustls::Error::InvalidCertificate(why) = io.get_ref()?.downcast_ref::<rustls::Error>()?
+    else {
+        return None;
+    };
+    Some(match why {
+        Why::UnknownIssuer => "signed by a CA not trusted here".to_owned(),
+        Why::NotValidForName | Why::NotValidForNameContext { .. } => {
+            format!("not issued for this host: {why}")
+        }
+        other => other.to_string(),
+    })
+}
+
+/// Without TLS there is no certificate to refuse.
+#[cfg(not(feature = "tls"))]
+fn untrusted(_: &sqlx::Error) -> Option<String> {
+    None
 }
