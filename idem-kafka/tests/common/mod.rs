@@ -4,6 +4,7 @@
 pub mod broker;
 pub mod faults;
 pub mod ledger;
+pub mod secure;
 pub mod wire;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -53,12 +54,21 @@ pub fn mock_topic(topic: &str, partitions: i32) -> (Mock, String) {
     (cluster, brokers)
 }
 
+/// A client configuration with only `bootstrap.servers`: a plaintext wire.
+pub fn plain(brokers: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers);
+    c
+}
+
 /// Creates topics through the admin API (for a real broker).
 pub async fn create_topics(brokers: &str, topics: &[(&str, i32)]) {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .expect("admin client");
+    create_topics_on(&plain(brokers), topics).await;
+}
+
+/// Creates topics through the admin API, connecting with `config` (its wire's settings).
+pub async fn create_topics_on(config: &ClientConfig, topics: &[(&str, i32)]) {
+    let admin: AdminClient<DefaultClientContext> = config.create().expect("admin client");
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|(t, p)| NewTopic::new(t, *p, TopicReplication::Fixed(1)))
@@ -110,8 +120,7 @@ impl Out {
 }
 
 pub fn producer(brokers: &str) -> FutureProducer {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    plain(brokers)
         .set("linger.ms", "5")
         .create()
         .expect("producer")
@@ -120,7 +129,11 @@ pub fn producer(brokers: &str) -> FutureProducer {
 /// Produces `msgs` in order and waits for every acknowledgement; returns (partition,
 /// offset) of each.
 pub async fn produce(brokers: &str, topic: &str, msgs: &[Out]) -> Vec<(i32, i64)> {
-    let p = producer(brokers);
+    produce_with(&producer(brokers), topic, msgs).await
+}
+
+/// [`produce`] through the producer `p` (a wire's own, or one with a codec).
+pub async fn produce_with(p: &FutureProducer, topic: &str, msgs: &[Out]) -> Vec<(i32, i64)> {
     let mut pending = Vec::with_capacity(msgs.len());
     for m in msgs {
         let headers = m.headers.iter().fold(OwnedHeaders::new(), |h, (k, v)| {
@@ -212,8 +225,13 @@ pub fn read_all(
 
 /// The committed offsets of `group` on each partition of `topic` (-1 when none).
 pub fn committed(brokers: &str, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    committed_on(&plain(brokers), group, topic, partitions)
+}
+
+/// [`committed`], connecting with `config` (its wire's settings).
+pub fn committed_on(config: &ClientConfig, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    let c: BaseConsumer = config
+        .clone()
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .create()
@@ -248,10 +266,21 @@ pub async fn wait_committed(
     want: &[i64],
     within: Duration,
 ) {
+    wait_committed_on(&plain(brokers), group, topic, want, within).await;
+}
+
+/// [`wait_committed`], connecting with `config` (its wire's settings).
+pub async fn wait_committed_on(
+    config: &ClientConfig,
+    group: &str,
+    topic: &str,
+    want: &[i64],
+    within: Duration,
+) {
     let partitions = i32::try_from(want.len()).expect("partitions");
     let deadline = std::time::Instant::now() + within;
     loop {
-        let got = committed(brokers, group, topic, partitions);
+        let got = committed_on(config, group, topic, partitions);
         if got == want {
             return;
         }
@@ -537,7 +566,12 @@ pub async fn drop_schema(backend: &idem_postgres::PgBackend) {
 /// A consumer of `topic` in `group` with the loop tests' settings: commits every 50 ms,
 /// retries after 10 ms to 100 ms.
 pub fn builder(brokers: &str, topic: &str, group: &str) -> idem_kafka::ConsumerBuilder {
-    idem_kafka::IdemConsumer::builder(consumer_config(brokers))
+    builder_with(consumer_config(brokers), topic, group)
+}
+
+/// [`builder`] over `config`: [`consumer_config`] with a wire's own settings added.
+pub fn builder_with(config: ClientConfig, topic: &str, group: &str) -> idem_kafka::ConsumerBuilder {
+    idem_kafka::IdemConsumer::builder(config)
         .topics([topic])
         .group(group)
         .commit_interval(Duration::from_millis(50))

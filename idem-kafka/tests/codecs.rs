@@ -1,0 +1,78 @@
+//! Every Kafka codec on the real broker (tansu, `IDEM_KAFKA_BROKERS`): batches compressed
+//! with gzip, snappy, lz4 and zstd, between uncompressed ones, are each handled once and
+//! committed.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Effects, Out, Recorder, builder, create_topics, memory_engine, plain, unique};
+use idem_kafka::rdkafka::producer::FutureProducer;
+
+const PARTITIONS: i32 = 2;
+/// Messages per batch: one producer's run before the next codec's.
+const PER_BATCH: usize = 25;
+const CODECS: [&str; 5] = ["none", "gzip", "snappy", "lz4", "zstd"];
+
+fn producer(brokers: &str, codec: &str) -> FutureProducer {
+    plain(brokers)
+        .set("compression.type", codec)
+        .set("linger.ms", "5")
+        .create()
+        .unwrap_or_else(|e| panic!("a producer with compression.type={codec}: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_codec_is_handled_once_and_committed() {
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
+    let topic = unique("codecs");
+    let group = unique("g");
+    create_topics(
+        &brokers,
+        &[(&topic, PARTITIONS), (&format!("{topic}.dlq"), 1)],
+    )
+    .await;
+
+    // none, gzip, none, snappy, none, lz4, none, zstd, none: each compressed batch between
+    // uncompressed ones, on both partitions.
+    let mut order = vec!["none"];
+    for codec in &CODECS[1..] {
+        order.extend([*codec, "none"]);
+    }
+    let mut next = [0i64; PARTITIONS as usize];
+    let mut sent = 0;
+    let mut ids = Vec::new();
+    for codec in order {
+        let p = producer(&brokers, codec);
+        let batch: Vec<Out> = (0..PER_BATCH)
+            .map(|i| {
+                let n = sent + i;
+                let partition = i32::try_from(n).expect("n") % PARTITIONS;
+                Out::keyed(partition, &format!("{codec}-{n}"), &format!("payment {n}"))
+            })
+            .collect();
+        ids.extend((sent..sent + PER_BATCH).map(|n| format!("{codec}-{n}")));
+        for (partition, offset) in common::produce_with(&p, &topic, &batch).await {
+            let at = &mut next[usize::try_from(partition).expect("partition")];
+            *at = (*at).max(offset + 1);
+        }
+        sent += PER_BATCH;
+    }
+
+    let effects = Effects::new();
+    let recorder = Recorder::new();
+    let running = common::start(
+        builder(&brokers, &topic, &group)
+            .engine(memory_engine())
+            .handler(effects.by_key()),
+        &recorder,
+    );
+    recorder.wait_settled(sent, Duration::from_secs(30)).await;
+    common::wait_committed(&brokers, &group, &topic, &next, Duration::from_secs(10)).await;
+    running.stop().await;
+
+    for id in &ids {
+        assert_eq!(effects.runs(id), 1, "payment {id} handled once");
+    }
+    assert_eq!(effects.distinct(), sent, "nothing else handled");
+}
