@@ -2,7 +2,8 @@
 //! over TLS, its certificate verified against the test CA (`IDEM_TLS_CA`): lease mode on
 //! the TLS-only PostgreSQL (`IDEM_POSTGRES_TLS_URL`, `sslmode=verify-full`) and
 //! transactional mode on the TLS-only MariaDB (`IDEM_MYSQL_TLS_URL`,
-//! `ssl-mode=VERIFY_IDENTITY`). 30 payments on two partitions, every third sent twice:
+//! `ssl-mode=VERIFY_IDENTITY`), and lease mode on the TLS-only Redis with AUTH
+//! (`IDEM_REDIS_TLS_URL`, `rediss://`). 30 payments on two partitions, every third sent twice:
 //! each payment's effect (a ledger row in the TLS database) happens once, every message
 //! settles, and the group's offsets are committed to the end.
 
@@ -204,4 +205,52 @@ async fn transactional_mode_on_mysql_verify_identity_applies_each_payment_once()
         next[usize::try_from(s.partition).expect("partition")] = s.next_offset;
     }
     assert_eq!(next, ends, "MariaDB holds the offsets past every message");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_mode_on_rediss_with_auth_applies_each_payment_once() {
+    let brokers = idem_conformance::service_env("IDEM_KAFKA_BROKERS");
+    let ca = std::fs::read(idem_conformance::service_env("IDEM_TLS_CA")).expect("read the CA");
+    let config = idem_redis::RedisConfig::new(idem_conformance::service_env("IDEM_REDIS_TLS_URL"))
+        .with_tls_root_cert(ca);
+    let redis = idem_redis::RedisBackend::connect(config)
+        .await
+        .expect("connect over TLS");
+
+    let topic = unique("store-tls-redis");
+    let group = unique("g");
+    let ends = payments(&brokers, &topic).await;
+    let recorder = Recorder::new();
+    let effects: Arc<std::sync::Mutex<HashMap<String, i64>>> = Arc::default();
+    let engine = common::engine(Arc::new(redis.clone()), "w1", Duration::from_secs(10));
+    let seen = effects.clone();
+    let running = start(
+        builder(&brokers, &topic, &group)
+            .engine(engine)
+            .handler(move |msg, _ctx| {
+                let seen = seen.clone();
+                async move {
+                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    *seen
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(id.clone())
+                        .or_default() += 1;
+                    Ok(Bytes::from(id))
+                }
+            }),
+        &recorder,
+    );
+    recorder
+        .wait_settled(ends.iter().sum::<i64>() as usize, WAIT)
+        .await;
+    wait_committed(&brokers, &group, &topic, &ends, WAIT).await;
+    running.stop().await;
+
+    once_each(effects.lock().unwrap_or_else(|e| e.into_inner()).clone());
+    let record = idem_core::Backend::get(&redis, &Key::new(group.as_str(), "p3").expect("key"))
+        .await
+        .expect("get over TLS")
+        .expect("a record");
+    assert_eq!(record.state, State::Completed);
 }
