@@ -2,13 +2,15 @@
 
 use std::fmt;
 use std::future::Future;
+#[cfg(feature = "tls")]
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use idem_core::binding::{HandlerResult, MissingKey};
-use idem_core::{Context, Engine, MemoryBackend};
+use idem_core::{Context, Engine};
 
 use crate::settings::{DynHandler, Mode, Settings};
 use crate::{DeadLetters, Error, IdemConsumer, KeySource, Message, Probe, Result};
@@ -16,6 +18,10 @@ use crate::{DeadLetters, Error, IdemConsumer, KeySource, Message, Probe, Result}
 /// Builds an [`IdemConsumer`]: [`IdemConsumer::builder`], then the queue and a handler.
 pub struct ConsumerBuilder {
     uri: String,
+    #[cfg(feature = "tls")]
+    tls_ca_file: Option<PathBuf>,
+    #[cfg(feature = "tls")]
+    tls_client_cert: Option<(PathBuf, PathBuf)>,
     queue: Option<String>,
     namespace: Option<String>,
     key_source: KeySource,
@@ -35,10 +41,14 @@ pub struct ConsumerBuilder {
 
 impl IdemConsumer {
     /// A builder for a consumer of the server at `uri` (`amqp://user:pass@host:port/vhost`,
-    /// the vhost `/` written `%2f`).
+    /// the vhost `/` written `%2f`; `amqps://` for TLS, with the feature `tls`).
     pub fn builder(uri: impl Into<String>) -> ConsumerBuilder {
         ConsumerBuilder {
             uri: uri.into(),
+            #[cfg(feature = "tls")]
+            tls_ca_file: None,
+            #[cfg(feature = "tls")]
+            tls_client_cert: None,
             queue: None,
             namespace: None,
             key_source: KeySource::default(),
@@ -78,8 +88,28 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The engine: the store, leases, attempts (default: an in-memory store, which
-    /// deduplicates only within this process).
+    /// With an `amqps://` URI, trust the CA certificates in the PEM file `path` (a private
+    /// CA, a provider's bundle) beside the public (webpki) roots, which alone are trusted
+    /// by default. Read by [`build`](Self::build).
+    #[cfg(feature = "tls")]
+    pub fn tls_ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.tls_ca_file = Some(path.into());
+        self
+    }
+
+    /// With an `amqps://` URI, present the client certificate (chain) in the PEM file
+    /// `cert`, with its private key in the PEM file `key`, to a server that asks for one
+    /// (and logs in as its user with `?auth_mechanism=external`). Read by
+    /// [`build`](Self::build).
+    #[cfg(feature = "tls")]
+    pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.tls_client_cert = Some((cert.into(), key.into()));
+        self
+    }
+
+    /// The engine: the store, leases, attempts. Required in lease mode (with
+    /// [`handler`](Self::handler)); with [`transactional`](Self::transactional), one over
+    /// its store by default.
     pub fn engine(mut self, engine: Engine) -> Self {
         self.engine = Some(engine);
         self
@@ -187,7 +217,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The consumer, or why the settings do not work. Connects nothing yet.
+    /// The consumer, or why the settings do not work. Reads the TLS files; connects
+    /// nothing yet.
     pub fn build(self) -> Result<IdemConsumer> {
         let queue = self
             .queue
@@ -221,11 +252,21 @@ impl ConsumerBuilder {
         let engine = match (self.engine, &mode) {
             (Some(engine), _) => engine,
             (None, Mode::Transactional(store)) => Engine::builder(store.backend()).build()?,
-            (None, Mode::Lease(_)) => Engine::builder(Arc::new(MemoryBackend::new())).build()?,
+            (None, Mode::Lease(_)) => return Err(Error::Config("an engine is required".into())),
         };
+        #[cfg(feature = "tls")]
+        let tls = crate::connect::tls_config(
+            self.tls_ca_file.as_deref(),
+            self.tls_client_cert
+                .as_ref()
+                .map(|(cert, key)| (cert.as_path(), key.as_path())),
+        )?;
+        #[cfg(not(feature = "tls"))]
+        let tls = lapin::tcp::OwnedTLSConfig::default();
+        let target = crate::connect::Target::new(&self.uri, tls)?;
         Ok(IdemConsumer::new(
             Settings {
-                uri: self.uri,
+                target,
                 queue: queue.into(),
                 namespace,
                 key_source: self.key_source,

@@ -101,9 +101,7 @@ async fn session(
     connected_once: &mut bool,
 ) -> Result<Ended> {
     let props = ConnectionProperties::default().with_connection_name("idem-rabbitmq".into());
-    let conn = Connection::connect(&s.uri, props)
-        .await
-        .map_err(Error::amqp("connect"))?;
+    let conn = s.target.connect(props).await?;
     *connected_once = true;
     let ended = consume(s, &conn, stop).await;
     if !matches!(ended, Err(Error::Amqp { .. } | Error::Lost(_))) {

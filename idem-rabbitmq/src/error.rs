@@ -21,6 +21,18 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// Connecting to the server failed: `problem` says why (an untrusted certificate, a
+    /// refused login, TLS to a plain port or the reverse, no server there).
+    #[error("cannot connect to {server}: {problem}: {source}")]
+    Connect {
+        /// The server, `host:port`.
+        server: String,
+        /// Why, as far as the client can tell.
+        problem: crate::ConnectProblem,
+        /// The client's error.
+        #[source]
+        source: lapin::Error,
+    },
     /// The connection or channel was lost, or the server ended the subscription.
     #[error("lost: {0}")]
     Lost(String),

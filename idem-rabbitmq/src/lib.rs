@@ -4,6 +4,7 @@
 
 mod batch;
 mod builder;
+mod connect;
 mod consumer;
 mod dead_letter;
 mod error;
@@ -16,6 +17,7 @@ mod tx;
 use idem_core::binding;
 
 pub use builder::ConsumerBuilder;
+pub use connect::ConnectProblem;
 pub use consumer::IdemConsumer;
 pub use dead_letter::{DeadLetters, HEADER_EXCHANGE, HEADER_QUEUE, HEADER_ROUTING_KEY};
 pub use error::{Error, Result};

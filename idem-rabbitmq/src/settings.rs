@@ -22,7 +22,7 @@ pub(crate) enum Mode {
 
 /// What the builder settled on.
 pub(crate) struct Settings {
-    pub uri: String,
+    pub target: crate::connect::Target,
     pub queue: Arc<str>,
     pub namespace: String,
     pub key_source: KeySource,

@@ -280,6 +280,7 @@ async fn a_lost_connection_is_made_again_and_nothing_runs_twice() {
 async fn a_queue_that_does_not_exist_is_an_error() {
     let consumer = IdemConsumer::builder(common::url())
         .queue("idem-test-no-such-queue")
+        .engine(engine(Arc::new(MemoryBackend::new())))
         .handler(|_, _| async { Ok(Bytes::new()) })
         .build()
         .expect("build");
@@ -309,6 +310,27 @@ fn settings_that_cannot_work_are_refused_at_build() {
         .handler(|_, _| async { Ok(Bytes::new()) })
         .build();
     assert!(matches!(pointer, Err(idem_rabbitmq::Error::Config(m)) if m.contains("JSON pointer")));
+}
+
+/// Lease mode with no engine once fell back to an in-memory store, which every restart and
+/// every second replica forgets: now it is refused, as idem-kafka refuses it.
+#[test]
+fn lease_mode_without_an_engine_is_refused_at_build() {
+    let err = IdemConsumer::builder("amqp://127.0.0.1:1/%2f")
+        .queue("q")
+        .handler(|_, _| async { Ok(Bytes::new()) })
+        .build()
+        .expect_err("no engine");
+    assert!(
+        matches!(err, idem_rabbitmq::Error::Config(ref m) if m == "an engine is required"),
+        "{err}"
+    );
+    let with_one = IdemConsumer::builder("amqp://127.0.0.1:1/%2f")
+        .queue("q")
+        .engine(engine(Arc::new(MemoryBackend::new())))
+        .handler(|_, _| async { Ok(Bytes::new()) })
+        .build();
+    assert!(with_one.is_ok(), "{with_one:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
