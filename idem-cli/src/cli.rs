@@ -247,8 +247,10 @@ pub struct KafkaArgs {
     /// The Kafka bootstrap servers.
     #[arg(long, env = "IDEM_KAFKA_BROKERS", value_name = "HOST:PORT,…")]
     pub brokers: String,
-    /// A librdkafka property for the reader and the producer (security, SASL…);
-    /// repeatable.
+    /// A librdkafka property for the reader and the producer, repeatable: e.g.
+    /// `security.protocol=SASL_SSL`, `ssl.ca.location=ca.pem`, `sasl.mechanism=SCRAM-SHA-512`.
+    /// `SSL` and `SASL_SSL` need an `idem` built with the feature `tls`
+    /// (`cargo install idem-cli --features tls`).
     #[arg(long = "kafka-config", short = 'X', value_name = "KEY=VALUE")]
     pub kafka_config: Vec<String>,
     /// How long to wait for the broker: each metadata request, and the next letter.

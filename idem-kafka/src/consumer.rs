@@ -92,7 +92,7 @@ impl IdemConsumer {
             budget: Budget::new(ctx.settings.max_buffered_bytes),
             workers: Mutex::new(Workers::default()),
             stopping: AtomicBool::new(false),
-            failure: OnceLock::new(),
+            failure: Mutex::new(None),
             consumer: OnceLock::new(),
             ctx,
         });
@@ -168,8 +168,9 @@ struct Shared {
     budget: Arc<Budget>,
     workers: Mutex<Workers>,
     stopping: AtomicBool,
-    /// Why the loop stops on its own: a partition's worker panicked.
-    failure: OnceLock<String>,
+    /// Why the loop stops on its own: a partition's worker panicked, or a partition cannot
+    /// be read on.
+    failure: Mutex<Option<Error>>,
     /// The client, to split a partition's queue off for its worker.
     consumer: OnceLock<Weak<BaseConsumer<LoopContext>>>,
 }
@@ -253,9 +254,26 @@ impl Shared {
     /// the same as a shutdown's: handlers in flight get `revoke_timeout`, and what was
     /// settled is committed.
     fn fail(&self, why: String) {
-        tracing::error!(error = %why, "stopping the consumer");
-        let _ = self.failure.set(why);
+        self.fail_with(Error::Worker(why));
+    }
+
+    /// [`Shared::fail`] with a typed error.
+    fn fail_with(&self, error: Error) {
+        tracing::error!(%error, "stopping the consumer");
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure.get_or_insert(error);
+        drop(failure);
         self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// What a partition's queue calls with an error it cannot read past: stops the loop.
+    fn stop_on_error(self: &Arc<Self>) -> crate::queue::Stop {
+        let shared = Arc::downgrade(self);
+        Arc::new(move |error| {
+            if let Some(shared) = shared.upgrade() {
+                shared.fail_with(error);
+            }
+        })
     }
 
     /// Creates workers for newly assigned partitions and makes sure they are not paused.
@@ -268,7 +286,7 @@ impl Shared {
                 let queue = client
                     .as_ref()
                     .and_then(|c| c.split_partition_queue(e.topic(), e.partition()))
-                    .map(Queue::boxed);
+                    .map(|q| Queue::boxed(q, e.partition(), self.stop_on_error()));
                 let handle = self.spawn_worker(slot.key().clone(), queue);
                 slot.insert(handle);
             }
@@ -497,10 +515,12 @@ fn poll_loop(shared: &Arc<Shared>, consumer: Arc<BaseConsumer<LoopContext>>) -> 
         if shared.stopping.load(Ordering::SeqCst) {
             let all = shared.all_partitions();
             shared.revoke(&consumer, &all);
-            break match shared.failure.get() {
-                Some(why) => Err(Error::Worker(why.clone())),
-                None => Ok(()),
-            };
+            let failure = shared
+                .failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            break failure.map_or(Ok(()), Err);
         }
         match consumer.poll(POLL) {
             None => routed = 0,

@@ -34,11 +34,39 @@ pub enum Error {
     /// partition stalled without a word.
     #[error("{0}")]
     Worker(String),
+    /// A partition's messages could not be read on: a batch that does not decode (corrupt,
+    /// or compressed with a codec this client lacks), or a fetch the broker refuses (no
+    /// authorization for the topic, a message too large to fetch). The loop stops as at a
+    /// shutdown, committing what was settled before it and nothing past it, rather than
+    /// leave the partition stuck; a restart reads from there again. Errors librdkafka
+    /// retries by itself (a broker or the network down, a leader moving) never stop it.
+    #[error("kafka: {topic}/{partition} cannot be read {}: {source}", at_offset(*.offset))]
+    Unreadable {
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// The first offset not read: the one after the last message this consumer read
+        /// from the partition; `None` if it read none, when it is the offset the partition
+        /// started from (rdkafka does not pass on librdkafka's own).
+        offset: Option<i64>,
+        /// The client's error.
+        #[source]
+        source: KafkaError,
+    },
 }
 
 impl Error {
     pub(crate) fn kafka(context: &'static str, source: KafkaError) -> Self {
         Error::Kafka { context, source }
+    }
+}
+
+/// Where [`Error::Unreadable`] stopped, in its message.
+fn at_offset(offset: Option<i64>) -> String {
+    match offset {
+        Some(o) => format!("at offset {o}"),
+        None => "at the offset it started from".to_owned(),
     }
 }
 

@@ -1,6 +1,7 @@
 //! A producer that writes the Kafka protocol by hand, for records no client library will
 //! build: a header whose name is not UTF-8, say (rdkafka takes header names as `&str`).
-//! One `Produce` (version 3) of one record batch (magic 2) to a one-broker cluster.
+//! One `Produce` (version 3) of one record batch (magic 2) to a one-broker cluster; or of
+//! a batch no client would write, whose compressed records do not decode.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -20,7 +21,18 @@ pub fn produce_raw(
     partition: i32,
     records: &[RawRecord<'_>],
 ) -> Result<i64, i16> {
-    let batch = record_batch(records);
+    send_batch(broker, topic, partition, &record_batch(records))
+}
+
+/// Writes one batch that says it is gzip-compressed but holds bytes that are not gzip, as
+/// a corrupt or mangled batch reaches a consumer; returns its offset or the broker's error.
+pub fn produce_corrupt(broker: &str, topic: &str, partition: i32) -> Result<i64, i16> {
+    let records = b"these bytes are not gzip";
+    send_batch(broker, topic, partition, &batch(1, 1, records))
+}
+
+/// One `Produce` of `batch` to `topic`/`partition`: its base offset or the error code.
+fn send_batch(broker: &str, topic: &str, partition: i32, batch: &[u8]) -> Result<i64, i16> {
     let mut body = Vec::new();
     put_i16(&mut body, 0); // api key: Produce
     put_i16(&mut body, 3); // api version
@@ -34,7 +46,7 @@ pub fn produce_raw(
     put_i32(&mut body, 1); // one partition
     put_i32(&mut body, partition);
     put_i32(&mut body, len_i32(batch.len()));
-    body.extend_from_slice(&batch);
+    body.extend_from_slice(batch);
 
     let mut conn = TcpStream::connect(broker).expect("connect to the broker");
     let mut frame = Vec::with_capacity(body.len() + 4);
@@ -56,16 +68,7 @@ pub fn produce_raw(
 }
 
 fn record_batch(records: &[RawRecord<'_>]) -> Vec<u8> {
-    // From attributes to the end: what the CRC covers.
-    let mut tail = Vec::new();
-    put_i16(&mut tail, 0); // attributes: no compression, not transactional
-    put_i32(&mut tail, len_i32(records.len()) - 1); // last offset delta
-    put_i64(&mut tail, 0); // base timestamp
-    put_i64(&mut tail, 0); // max timestamp
-    put_i64(&mut tail, -1); // producer id
-    put_i16(&mut tail, -1); // producer epoch
-    put_i32(&mut tail, -1); // base sequence
-    put_i32(&mut tail, len_i32(records.len()));
+    let mut body = Vec::new();
     for (delta, r) in records.iter().enumerate() {
         let mut rec = Vec::new();
         rec.push(0); // attributes
@@ -78,9 +81,27 @@ fn record_batch(records: &[RawRecord<'_>]) -> Vec<u8> {
             put_bytes_varint(&mut rec, Some(name));
             put_bytes_varint(&mut rec, Some(value));
         }
-        put_varint(&mut tail, i64::try_from(rec.len()).expect("record"));
-        tail.extend_from_slice(&rec);
+        put_varint(&mut body, i64::try_from(rec.len()).expect("record"));
+        body.extend_from_slice(&rec);
     }
+    // No compression, not transactional.
+    batch(0, records.len(), &body)
+}
+
+/// A record batch (magic 2) of `count` records whose encoded form is `records`, with
+/// `attributes` (the low three bits name the codec `records` is compressed with).
+fn batch(attributes: i16, count: usize, records: &[u8]) -> Vec<u8> {
+    // From attributes to the end: what the CRC covers.
+    let mut tail = Vec::new();
+    put_i16(&mut tail, attributes);
+    put_i32(&mut tail, len_i32(count) - 1); // last offset delta
+    put_i64(&mut tail, 0); // base timestamp
+    put_i64(&mut tail, 0); // max timestamp
+    put_i64(&mut tail, -1); // producer id
+    put_i16(&mut tail, -1); // producer epoch
+    put_i32(&mut tail, -1); // base sequence
+    put_i32(&mut tail, len_i32(count));
+    tail.extend_from_slice(records);
     let crc = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI).checksum(&tail);
 
     let mut batch = Vec::with_capacity(tail.len() + 21);
