@@ -4,9 +4,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use idem_postgres::{PgBackend, PgConfig};
 
-/// The test server's URL, or a failure naming the command that starts it.
+/// The test server's URL, or a failure naming the command that starts it; in plaintext
+/// (`sslmode=disable`) unless the URL says otherwise. The machine's server offers TLS, which
+/// sqlx's default `prefer` then takes, and sqlx 0.9.0 leaves Nagle on: each TLS connection
+/// costs about 90 ms more here, which the suite's timing cases do not allow for. TLS is
+/// `tests/tls.rs`'s.
 pub fn url() -> String {
-    idem_conformance::service_env("IDEM_POSTGRES_URL")
+    let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
+    if url.contains("sslmode=") {
+        url
+    } else if url.contains('?') {
+        format!("{url}&sslmode=disable")
+    } else {
+        format!("{url}?sslmode=disable")
+    }
 }
 
 /// A fresh schema name, unique to this process and call.
