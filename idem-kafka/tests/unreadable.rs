@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::wire::produce_corrupt;
+use common::wire::produce_undecodable;
 use common::{
     Effects, Out, Recorder, builder, committed, memory_engine, mock_topic, produce, unique,
 };
@@ -49,13 +49,14 @@ async fn stopped(task: tokio::task::JoinHandle<idem_kafka::Result<()>>) -> Error
     result.expect_err("run() stopped with an error")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_corrupt_batch_stops_the_loop_at_its_offset() {
-    let topic = unique("corrupt");
+/// Three payments, then a batch whose attributes name `codec` but whose records are not
+/// compressed with it, then three more: `run()` stops at the batch.
+async fn an_undecodable_batch_stops_the_loop_at_its_offset(codec: i16) {
+    let topic = unique("undecodable");
     let group = unique("g");
     let (_cluster, brokers) = mock_topic(&topic, 1);
     produce(&brokers, &topic, &payments("before", 3)).await;
-    assert_eq!(produce_corrupt(&brokers, &topic, 0), Ok(3));
+    assert_eq!(produce_undecodable(&brokers, &topic, 0, codec), Ok(3));
     produce(&brokers, &topic, &payments("after", 3)).await;
 
     let (effects, recorder) = (Effects::new(), Recorder::new());
@@ -90,6 +91,18 @@ async fn a_corrupt_batch_stops_the_loop_at_its_offset() {
     }
     // Committed up to the batch, not past it: a restart reads it again.
     assert_eq!(committed(&brokers, &group, &topic, 1), vec![3]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_gzip_batch_stops_the_loop_at_its_offset() {
+    an_undecodable_batch_stops_the_loop_at_its_offset(1).await;
+}
+
+/// What a consumer without a codec meets (librdkafka's own lacked zstd until this build):
+/// before, the partition stalled there with only a log line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_in_an_unknown_codec_stops_the_loop_at_its_offset() {
+    an_undecodable_batch_stops_the_loop_at_its_offset(5).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,11 +24,18 @@ pub fn produce_raw(
     send_batch(broker, topic, partition, &record_batch(records))
 }
 
-/// Writes one batch that says it is gzip-compressed but holds bytes that are not gzip, as
-/// a corrupt or mangled batch reaches a consumer; returns its offset or the broker's error.
-pub fn produce_corrupt(broker: &str, topic: &str, partition: i32) -> Result<i64, i16> {
-    let records = b"these bytes are not gzip";
-    send_batch(broker, topic, partition, &batch(1, 1, records))
+/// Writes one batch whose records do not decode, as a corrupt batch, or one compressed with
+/// a codec the consumer lacks, reaches it: its attributes name `codec` (1 is gzip; 5 to 7
+/// name none) but its records are not compressed with anything. Returns its offset or the
+/// broker's error.
+pub fn produce_undecodable(
+    broker: &str,
+    topic: &str,
+    partition: i32,
+    codec: i16,
+) -> Result<i64, i16> {
+    let records = b"these bytes are compressed with no codec";
+    send_batch(broker, topic, partition, &batch(codec, 1, records))
 }
 
 /// One `Produce` of `batch` to `topic`/`partition`: its base offset or the error code.
