@@ -87,6 +87,8 @@ pub struct ConsumerBuilder {
     retry_backoff: (Duration, Duration),
     shutdown: Option<BoxFuture<'static, ()>>,
     probe: Option<Arc<dyn Probe>>,
+    topic_check: bool,
+    start_timeout: Duration,
 }
 
 impl IdemConsumer {
@@ -124,6 +126,8 @@ impl ConsumerBuilder {
             retry_backoff: (Duration::from_millis(20), Duration::from_secs(2)),
             shutdown: None,
             probe: None,
+            topic_check: true,
+            start_timeout: Duration::from_secs(10),
         }
     }
 
@@ -212,9 +216,34 @@ impl ConsumerBuilder {
     }
 
     /// The dead-letter topic (default `<topic>.dlq` per source topic). It must exist:
-    /// until a dead letter is acknowledged, its partition stalls.
+    /// [`IdemConsumer::run`] checks at start (see
+    /// [`skip_topic_check`](Self::skip_topic_check)), and until a dead letter is
+    /// acknowledged, its partition stalls.
     pub fn dead_letter_topic(mut self, topic: DeadLetterTopic) -> Self {
         self.dead_letter = topic;
+        self
+    }
+
+    /// Skips the check that the source and dead-letter topics exist, for topics created
+    /// after the consumer starts. By default [`IdemConsumer::run`] reads their metadata
+    /// before it joins the group and fails with [`Error::MissingTopics`] naming each one
+    /// missing. Without the check a missing source topic is waited for (its partitions are
+    /// assigned once it exists and the client's metadata refresh sees it), and a missing
+    /// dead-letter topic is found only when a dead letter is written to it: that
+    /// partition stalls until the topic exists. The brokers are still reached at start,
+    /// and a failed connection is still [`Error::Connect`].
+    pub fn skip_topic_check(mut self) -> Self {
+        self.topic_check = false;
+        self
+    }
+
+    /// How long the checks at start wait for the brokers to answer a metadata request,
+    /// through the consumer's client and again through the dead-letter producer's
+    /// (default 10 s). A refused login, an untrusted certificate or a TLS/plaintext
+    /// mismatch fails at once, as soon as the client reports it; a broker that does not
+    /// answer at all fails at this timeout ([`Error::Connect`] either way).
+    pub fn start_timeout(mut self, timeout: Duration) -> Self {
+        self.start_timeout = idem_core::clock::capped(timeout);
         self
     }
 
@@ -486,6 +515,9 @@ impl ConsumerBuilder {
                 "max_buffered_bytes must be at least 1".into(),
             ));
         }
+        if self.start_timeout.is_zero() {
+            return Err(Error::Config("start_timeout must be above zero".into()));
+        }
         if self.commit_interval.is_zero() {
             return Err(Error::Config("commit_interval must be above zero".into()));
         }
@@ -504,13 +536,9 @@ impl ConsumerBuilder {
                     .into(),
             ));
         }
-        let dead_letter_config = self.dead_letter_config.unwrap_or_else(|| {
-            let mut p = config.clone();
-            for prop in CONSUMER_ONLY {
-                p.remove(prop);
-            }
-            p
-        });
+        let dead_letter_config = self
+            .dead_letter_config
+            .unwrap_or_else(|| producer_config(&config));
         let max_buffered = self
             .max_buffered
             .unwrap_or_else(|| prefetch(&config))
@@ -549,6 +577,8 @@ impl ConsumerBuilder {
             revoke_timeout: self.revoke_timeout,
             retry_backoff: self.retry_backoff,
             probe: self.probe,
+            topic_check: self.topic_check,
+            start_timeout: self.start_timeout,
         };
         Ok(IdemConsumer::new(settings, self.shutdown))
     }
@@ -565,6 +595,16 @@ impl fmt::Debug for ConsumerBuilder {
             .field("missing_key", &self.missing_key)
             .finish_non_exhaustive()
     }
+}
+
+/// `config` without its consumer-only properties: a producer's configuration (the
+/// dead-letter producer's by default, and the start-up checks' client's).
+pub(crate) fn producer_config(config: &ClientConfig) -> ClientConfig {
+    let mut p = config.clone();
+    for prop in CONSUMER_ONLY {
+        p.remove(prop);
+    }
+    p
 }
 
 /// Each partition's queue in the client prefetches at most this share of

@@ -20,7 +20,7 @@ use tokio::sync::{Semaphore, oneshot};
 use crate::client::{Client, log_to_tracing};
 use crate::crash::Crash;
 use crate::dead_letter::write::Writer;
-use crate::handle::{BYTES, Fetch, PartitionState, Route, WorkerHandle};
+use crate::handle::{BYTES, Fetch, OFFSETS, PartitionState, Route, WorkerHandle};
 use crate::probe::Point;
 use crate::queue::Queue;
 use crate::settings::{Mode, Settings};
@@ -72,8 +72,19 @@ impl IdemConsumer {
     ///
     /// Dropping this future without the signal is a crash: nothing more is stored or
     /// committed, and the client is closed without a commit.
+    ///
+    /// Before it joins the group it checks, through a client of its own, that a broker
+    /// answers and that the source and dead-letter topics exist: [`Error::Connect`] says
+    /// why no broker answered, [`Error::MissingTopics`] names the topics missing (see
+    /// [`ConsumerBuilder::skip_topic_check`](crate::ConsumerBuilder::skip_topic_check)).
     pub async fn run(self) -> Result<()> {
         let IdemConsumer { settings, shutdown } = self;
+        let checks = crate::start::Checks::new(&settings);
+        tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::Config("run() needs a Tokio runtime".into()))?
+            .spawn_blocking(move || checks.run())
+            .await
+            .map_err(|e| Error::Thread(format!("the start-up checks: {e}")))??;
         let letters = Writer::new(&settings.dead_letter_config, settings.dead_letter.clone())?;
         let permits = settings
             .partition_concurrency
@@ -235,8 +246,17 @@ impl Shared {
         }
     }
 
-    fn spawn_worker(self: &Arc<Self>, tp: Tp, queue: Option<Box<dyn Fetch>>) -> WorkerHandle {
+    /// A worker for `tp`; unless `held` (its start not known yet), positioned at once.
+    fn spawn_worker(
+        self: &Arc<Self>,
+        tp: Tp,
+        queue: Option<Box<dyn Fetch>>,
+        held: bool,
+    ) -> WorkerHandle {
         let (handle, mut ends) = PartitionState::create(tp.0, tp.1, Arc::clone(&self.budget));
+        if !held {
+            handle.state.positioned.fire();
+        }
         ends.queue = queue;
         let worker = Worker::new(Arc::clone(&self.ctx), Arc::clone(&handle.state), ends);
         let shared = Arc::clone(self);
@@ -276,10 +296,18 @@ impl Shared {
         })
     }
 
-    /// Creates workers for newly assigned partitions and makes sure they are not paused.
-    fn assign(self: &Arc<Self>, consumer: &BaseConsumer<LoopContext>, tpl: &TopicPartitionList) {
+    /// Creates workers for newly assigned partitions and makes sure they are not paused;
+    /// unless `positioned`, holds them back: paused, their workers waiting, until
+    /// [`crate::tx::position_later`] starts them from the store's offsets.
+    fn assign(
+        self: &Arc<Self>,
+        consumer: &BaseConsumer<LoopContext>,
+        tpl: &TopicPartitionList,
+        positioned: bool,
+    ) {
         let client = self.consumer.get().and_then(Weak::upgrade);
         let mut workers = self.lock_workers();
+        let mut held = Vec::new();
         for e in tpl.elements() {
             let tp: Tp = (Arc::from(e.topic()), e.partition());
             if let std::collections::hash_map::Entry::Vacant(slot) = workers.entry(tp) {
@@ -287,7 +315,10 @@ impl Shared {
                     .as_ref()
                     .and_then(|c| c.split_partition_queue(e.topic(), e.partition()))
                     .map(|q| Queue::boxed(q, e.partition(), self.stop_on_error()));
-                let handle = self.spawn_worker(slot.key().clone(), queue);
+                let handle = self.spawn_worker(slot.key().clone(), queue, !positioned);
+                if !positioned {
+                    held.push(Arc::clone(&handle.state));
+                }
                 slot.insert(handle);
             }
         }
@@ -296,6 +327,39 @@ impl Shared {
         if let Err(e) = consumer.resume(tpl) {
             tracing::debug!(error = %e, "resume after assign");
         }
+        if !held.is_empty() {
+            self.hold_back(held);
+        }
+    }
+
+    /// Pauses `held` partitions and starts them from the store's offsets once it answers.
+    fn hold_back(self: &Arc<Self>, held: Vec<Arc<PartitionState>>) {
+        let Mode::Transactional(store) = &self.settings().mode else {
+            return;
+        };
+        for state in &held {
+            state.set_pause(&self.ctx.client, OFFSETS, true);
+        }
+        let weak = self.consumer.get().cloned();
+        let seek: crate::tx::Seek = Arc::new(move |topic, partition, next| {
+            let consumer = weak
+                .as_ref()
+                .and_then(Weak::upgrade)
+                .ok_or_else(|| "the consumer is closed".to_owned())?;
+            let at = rdkafka::Offset::Offset(next);
+            consumer
+                .seek(topic, partition, at, Duration::from_secs(5))
+                .map_err(|e| e.to_string())
+        });
+        let settings = self.settings();
+        self.runtime.spawn(crate::tx::position_later(
+            Arc::clone(store),
+            settings.group.clone(),
+            Backoff::new(settings.retry_backoff),
+            held,
+            Arc::clone(&self.ctx),
+            seek,
+        ));
     }
 
     /// Stops dispatching for `tps`, waits a bounded time for in-flight handlers, then
@@ -331,15 +395,17 @@ impl Shared {
     }
 
     /// In transactional mode, sets the offsets of newly assigned partitions to those the
-    /// store keeps (see [`crate::tx::seek_to_stored`]).
-    fn seek_to_stored(&self, tpl: &mut TopicPartitionList) {
+    /// store keeps (see [`crate::tx::seek_to_stored`]); says whether their start is known
+    /// (always in lease mode).
+    fn seek_to_stored(&self, tpl: &mut TopicPartitionList) -> bool {
         let settings = self.settings();
-        if let Mode::Transactional(store) = &settings.mode {
-            // Patient enough for a store's blip (200 ms, then 400 ms), short enough for a
-            // rebalance callback.
-            let backoff = Backoff::new((Duration::from_millis(200), Duration::from_secs(1)));
-            crate::tx::seek_to_stored(&**store, &settings.group, backoff, &self.runtime, tpl);
-        }
+        let Mode::Transactional(store) = &settings.mode else {
+            return true;
+        };
+        // Patient enough for a store's blip (200 ms, then 400 ms), short enough for a
+        // rebalance callback.
+        let backoff = Backoff::new((Duration::from_millis(200), Duration::from_secs(1)));
+        crate::tx::seek_to_stored(&**store, &settings.group, backoff, &self.runtime, tpl)
     }
 
     fn all_partitions(&self) -> Vec<Tp> {
@@ -356,7 +422,7 @@ impl Shared {
         let mut workers = self.lock_workers();
         let handle = workers
             .entry(tp.clone())
-            .or_insert_with(|| self.spawn_worker(tp.clone(), None));
+            .or_insert_with(|| self.spawn_worker(tp.clone(), None, false));
         let route = Route {
             client: &self.ctx.client,
             budget: &self.budget,
@@ -428,7 +494,8 @@ impl ClientContext for LoopContext {
 impl ConsumerContext for LoopContext {
     /// Revoke: stop dispatching, wait for in-flight handlers, commit what is settled, then
     /// unassign. Assign: in transactional mode set the offsets stored in PostgreSQL, then
-    /// assign and start a worker per partition.
+    /// assign and start a worker per partition; if the store did not answer, the
+    /// partitions are held back (paused, their workers waiting) until it does.
     fn rebalance(
         &self,
         consumer: &BaseConsumer<Self>,
@@ -442,14 +509,14 @@ impl ConsumerContext for LoopContext {
         let result = match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 tracing::info!(partitions = %listed(tpl), "partitions assigned");
-                self.shared.seek_to_stored(tpl);
+                let positioned = self.shared.seek_to_stored(tpl);
                 let r = if cooperative {
                     consumer.incremental_assign(tpl)
                 } else {
                     consumer.assign(tpl)
                 };
                 if !self.shared.ctx.crash.happened() {
-                    self.shared.assign(consumer, tpl);
+                    self.shared.assign(consumer, tpl, positioned);
                 }
                 r
             }

@@ -23,6 +23,28 @@ pub enum Error {
     /// The topic does not exist on the broker.
     #[error("topic {0:?} does not exist")]
     UnknownTopic(String),
+    /// Found at start, before joining the group: topics the consumer needs do not exist
+    /// (or this client may not see them). Skipped by
+    /// [`skip_topic_check`](crate::ConsumerBuilder::skip_topic_check).
+    #[error("{}", missing_topics(sources, dead_letter))]
+    MissingTopics {
+        /// Source topics that do not exist.
+        sources: Vec<String>,
+        /// Dead-letter topics that do not exist.
+        dead_letter: Vec<String>,
+    },
+    /// Found at start: no broker answered, and the client said why (see
+    /// [`ConnectFailure`](crate::ConnectFailure)).
+    #[error("kafka broker {broker}: {failure}: {detail}")]
+    Connect {
+        /// The broker, as the client named it (`ssl://host:port/id`), or the bootstrap
+        /// servers if it named none.
+        broker: String,
+        /// Which of the failures it is.
+        failure: crate::ConnectFailure,
+        /// The client's own words.
+        detail: String,
+    },
     /// The idem engine or backend refused something at start-up.
     #[error(transparent)]
     Core(#[from] idem_core::Error),
@@ -60,6 +82,18 @@ impl Error {
     pub(crate) fn kafka(context: &'static str, source: KafkaError) -> Self {
         Error::Kafka { context, source }
     }
+}
+
+/// The message of [`Error::MissingTopics`].
+fn missing_topics(sources: &[String], dead_letter: &[String]) -> String {
+    let mut parts = Vec::new();
+    if !sources.is_empty() {
+        parts.push(format!("source topics {sources:?}"));
+    }
+    if !dead_letter.is_empty() {
+        parts.push(format!("dead-letter topics {dead_letter:?}"));
+    }
+    format!("{} do not exist", parts.join(" and "))
 }
 
 /// Where [`Error::Unreadable`] stopped, in its message.

@@ -16,11 +16,13 @@ use crate::budget::Held;
 use crate::client::Client;
 use idem_core::binding::{Budget, Signal};
 
-/// Pause reasons: the worker's buffer is full, the worker is stalled, or the consumer
-/// holds more bytes of fetched messages than its bound.
+/// Pause reasons: the worker's buffer is full, the worker is stalled, the consumer holds
+/// more bytes of fetched messages than its bound, or (transactional mode) the offset the
+/// store keeps for the partition could not be read at its assignment yet.
 pub(crate) const BACKLOG: u8 = 1;
 pub(crate) const STALL: u8 = 2;
 pub(crate) const BYTES: u8 = 4;
+pub(crate) const OFFSETS: u8 = 8;
 
 /// A partition's state shared by its worker, the poll thread and the rebalance callback.
 pub(crate) struct PartitionState {
@@ -37,6 +39,12 @@ pub(crate) struct PartitionState {
     pause: Mutex<u8>,
     /// Bytes of this partition's messages held.
     pub held: Arc<Held>,
+    /// Fired once the partition's start is known; its worker takes no message before
+    /// (transactional mode: the store's offset for it was read, see `tx::position_later`).
+    pub positioned: Signal,
+    /// The last offset before the partition's start: its worker drops messages at or
+    /// below it (fetched from Kafka's offset before the seek to the store's).
+    pub floor: AtomicI64,
 }
 
 impl PartitionState {
@@ -109,6 +117,8 @@ impl PartitionState {
             stored: AtomicI64::new(-1),
             pause: Mutex::new(0),
             held: Held::new(budget, gauge),
+            positioned: Signal::new(),
+            floor: AtomicI64::new(i64::MIN),
         });
         let (tx, rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = std::sync::mpsc::channel();

@@ -20,6 +20,7 @@ mod queue;
 mod replay;
 mod settings;
 mod slot;
+mod start;
 mod tx;
 mod worker;
 
@@ -40,5 +41,6 @@ pub use order::OrderBy;
 pub use probe::{Point, Probe, Verdict};
 pub use replay::{Previous, REPLAY_NAMESPACE, Replay, Replayer, Reset, Sent};
 pub use settings::{DeadLetterTopic, MAX_BATCH_SIZE};
+pub use start::ConnectFailure;
 
 pub use rdkafka;

@@ -31,6 +31,10 @@ pub const IN_FLIGHT: &str = "idem_kafka_in_flight";
 /// settle before their offsets can be committed (key-ordered concurrency only).
 pub const LOW_WATER_LAG: &str = "idem_kafka_low_water_lag";
 
+/// Gauge: 1 while the partition waits, paused, for the offset its store keeps, which could
+/// not be read at its assignment (transactional mode); 0 once it started from there.
+pub const AWAITING_STORED_OFFSET: &str = "idem_kafka_awaiting_stored_offset";
+
 /// Gauge: bytes (payload, key and headers) of the partition's fetched messages the
 /// consumer holds, waiting for the worker or not settled yet. Their sum over the consumer's
 /// partitions is bounded by `max_buffered_bytes`, give or take a message per partition.
@@ -43,6 +47,15 @@ pub(crate) fn buffered_bytes(topic: &str, partition: i32) -> Gauge {
         ("partition", partition.to_string()),
     ];
     gauge!(BUFFERED_BYTES, &labels)
+}
+
+/// The awaiting-stored-offset gauge of one partition.
+pub(crate) fn awaiting_stored_offset(topic: &str, partition: i32) -> Gauge {
+    let labels = [
+        ("topic", topic.to_owned()),
+        ("partition", partition.to_string()),
+    ];
+    gauge!(AWAITING_STORED_OFFSET, &labels)
 }
 
 /// The poll thread's waits for its workers, of `group`.

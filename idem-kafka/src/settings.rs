@@ -86,6 +86,10 @@ pub(crate) struct Settings {
     pub revoke_timeout: Duration,
     pub retry_backoff: (Duration, Duration),
     pub probe: Option<Arc<dyn Probe>>,
+    /// Whether `run` fails at start on a missing source or dead-letter topic.
+    pub topic_check: bool,
+    /// How long the checks at start wait for the brokers' metadata.
+    pub start_timeout: Duration,
 }
 
 impl Settings {

@@ -71,7 +71,8 @@ async fn scenario(mode: Mode) -> Figures {
     let mut broker = Broker::on_s3(bin, endpoint).await;
     let brokers = broker.address();
     let topic = common::unique("broker_crash");
-    common::create_topics(&brokers, &[(topic.as_str(), PARTITIONS)]).await;
+    let dlq = format!("{topic}.dlq");
+    common::create_topics(&brokers, &[(topic.as_str(), PARTITIONS), (&dlq, 1)]).await;
     let (ledger_db, ledger) = common::postgres().await;
     let group = common::unique("broker_crash");
     let started = Instant::now();

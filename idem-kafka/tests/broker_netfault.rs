@@ -194,7 +194,8 @@ async fn scenario(mode: Mode) {
     );
     let topic = common::unique("broker_netfault");
     let group = common::unique("broker_netfault");
-    common::create_topics(&brokers, &[(topic.as_str(), PARTITIONS)]).await;
+    let dlq = format!("{topic}.dlq");
+    common::create_topics(&brokers, &[(topic.as_str(), PARTITIONS), (&dlq, 1)]).await;
     let (ledger_db, ledger) = common::postgres().await;
     let label = format!("broker network faults, {}", mode.label());
 

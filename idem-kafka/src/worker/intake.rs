@@ -14,11 +14,13 @@ pub(super) struct Intake {
 }
 
 impl Intake {
+    /// Nothing at or below the partition's floor is taken (see [`PartitionState::floor`]).
     pub fn new(ends: WorkerEnds, state: Arc<PartitionState>) -> Intake {
+        let last_taken = state.floor.load(std::sync::atomic::Ordering::SeqCst);
         Intake {
             ends,
             state,
-            last_taken: i64::MIN,
+            last_taken,
         }
     }
 

@@ -171,6 +171,14 @@ impl Worker {
         let Some(ends) = self.ends.take() else {
             return;
         };
+        // Until the partition's start is known (transactional mode: the store answered),
+        // nothing is taken; it is paused in the client meanwhile.
+        tokio::select! {
+            biased;
+            () = self.ctx.crash.happens() => return,
+            () = self.state.stop.fired() => return,
+            () = self.state.positioned.fired() => {}
+        }
         let mut intake = Intake::new(ends, Arc::clone(&self.state));
         let batch_size = self.settings().batch_size;
         let mut batch = Vec::with_capacity(batch_size);
