@@ -197,7 +197,9 @@ impl ConsumerBuilder {
     /// or a crash rolls the whole run back; its keys wait for their leases to lapse. With
     /// `in_flight` above one each message has a transaction of its own (see there).
     ///
-    /// On assignment the consumer seeks to the offsets stored there. The engine, if set,
+    /// On assignment the consumer seeks to the offsets stored there; while the store does
+    /// not answer, the assigned partitions stay paused, never started from Kafka's
+    /// committed offsets. The engine, if set,
     /// gives the owner, lease, attempts and retention; by default one over `store` with
     /// the engine's defaults.
     pub fn transactional<S, F>(mut self, store: S, handler: F) -> Self
