@@ -2,14 +2,15 @@
 //! in front of `IDEM_POSTGRES_URL`, blackholed) when the partitions are assigned, they wait
 //! paused, nothing handled, and once it answers they start from the offsets PostgreSQL
 //! keeps, never from Kafka's (here none are committed, so `earliest` would run the first
-//! payments again). MockCluster; the ledger is in the same database.
+//! payments again, and `latest` skip the rest). MockCluster; the ledger is in the same
+//! database.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{Out, Recorder, builder, committed, mock, produce, start, unique};
+use common::{Out, Recorder, committed, mock, produce, start, unique};
 use futures::FutureExt;
 use idem_conformance::proxy::{self, Proxy};
 use idem_core::{Key, Transactional};
@@ -25,6 +26,18 @@ const STORED: [i64; 2] = [5, 3];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_store_down_at_assignment_holds_the_partitions_until_it_answers() {
+    scenario("earliest").await;
+}
+
+/// With `latest`, Kafka's start (no committed offset) is past every message: only the
+/// seek to PostgreSQL's offsets, not the workers' floor, gets the rest handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn held_partitions_are_sought_to_the_stored_offsets_not_started_at_kafkas() {
+    scenario("latest").await;
+}
+
+/// The store cut off at assignment, with `auto.offset.reset` at `reset`.
+async fn scenario(reset: &str) {
     common::install_metrics();
     let (direct, ledger) = common::postgres().await;
     let url = idem_conformance::service_env("IDEM_POSTGRES_URL");
@@ -73,8 +86,10 @@ async fn a_store_down_at_assignment_holds_the_partitions_until_it_answers() {
     proxy.blackhole(true);
     let recorder = Recorder::new();
     let table = ledger.clone();
+    let mut config = common::consumer_config(&brokers);
+    config.set("auto.offset.reset", reset);
     let running = start(
-        builder(&brokers, &topic, &group)
+        common::builder_with(config, &topic, &group)
             .commit_interval(Duration::from_millis(100))
             .transactional(pg.clone(), move |msg, tx, lease| {
                 let table = table.clone();
