@@ -895,6 +895,9 @@ fn kafka(c: &mut Criterion) {
     let cluster = MockCluster::new(1).expect("mock cluster");
     let topic = unique("bench");
     cluster.create_topic(&topic, PARTITIONS, 1).expect("topic");
+    cluster
+        .create_topic(&format!("{topic}.dlq"), 1, 1)
+        .expect("dead-letter topic");
     on_broker(
         c,
         &rt,
@@ -938,6 +941,9 @@ fn profile(which: &str) {
     let cluster = MockCluster::new(1).expect("mock cluster");
     let topic = unique("bench");
     cluster.create_topic(&topic, PARTITIONS, 1).expect("topic");
+    cluster
+        .create_topic(&format!("{topic}.dlq"), 1, 1)
+        .expect("dead-letter topic");
     let brokers = cluster.bootstrap_servers();
     rt.block_on(produce(&brokers, &topic));
     let stores = if ["_redis", "_postgres", "_mysql"]

@@ -711,6 +711,9 @@ fn main() {
         &|| {
             let topic = unique("latency");
             cluster.create_topic(&topic, PARTITIONS, 1).expect("topic");
+            cluster
+                .create_topic(&format!("{topic}.dlq"), 1, 1)
+                .expect("dead-letter topic");
             topic
         },
     ));

@@ -49,15 +49,18 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-/// Creates `topic` on a real broker (tansu does not create topics itself).
+/// Creates `topic` and its dead-letter topic (`<topic>.dlq`, one partition; the consumer
+/// checks both exist at start) on a real broker (tansu does not create topics itself).
 pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()
         .expect("admin");
+    let dlq = format!("{topic}.dlq");
     let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    let letters = NewTopic::new(&dlq, 1, TopicReplication::Fixed(1));
     for r in admin
-        .create_topics([&new], &AdminOptions::new())
+        .create_topics([&new, &letters], &AdminOptions::new())
         .await
         .expect("create topic")
     {
