@@ -84,8 +84,8 @@ pub enum Error {
     },
 }
 
-/// Why a server refused a connection ([`Error::Refused`]); the bindings name the same
-/// three for their brokers.
+/// Why a server refused a connection ([`Error::Refused`]). The broker bindings' own
+/// `ConnectFailure` names the same kinds (and adds an unreachable broker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Refusal {

@@ -31,7 +31,7 @@ pub enum ConnectFailure {
     UntrustedCertificate,
     /// TLS against a plaintext listener, or plaintext against a TLS listener: the
     /// `security.protocol` does not match the port.
-    ProtocolMismatch,
+    TlsMismatch,
     /// Nothing answered within the start timeout, for none of the reasons above (a
     /// refused connection, a wrong address, a broker down).
     Unreachable,
@@ -42,7 +42,7 @@ impl fmt::Display for ConnectFailure {
         f.write_str(match self {
             ConnectFailure::Authentication => "authentication failed",
             ConnectFailure::UntrustedCertificate => "the broker's certificate is not trusted",
-            ConnectFailure::ProtocolMismatch => {
+            ConnectFailure::TlsMismatch => {
                 "TLS and plaintext mismatch (security.protocol does not match the listener)"
             }
             ConnectFailure::Unreachable => "no broker answered",
@@ -321,7 +321,7 @@ fn classify(
     {
         // The last: a plaintext connection dropped before the broker answered its first
         // request, which every Kafka broker since 0.10 answers; a TLS listener drops it.
-        Some(ConnectFailure::ProtocolMismatch)
+        Some(ConnectFailure::TlsMismatch)
     } else {
         None
     }
@@ -372,7 +372,7 @@ mod tests {
                 "127.0.0.1:9093/bootstrap: Disconnected while requesting ApiVersion: might be \
                  caused by incorrect security.protocol configuration (connecting to a SSL \
                  listener?)",
-                Some(ConnectFailure::ProtocolMismatch),
+                Some(ConnectFailure::TlsMismatch),
             ),
             (
                 Some(RDKafkaErrorCode::BrokerTransportFailure),
@@ -387,7 +387,7 @@ mod tests {
                      0ms in state APIVERSION_QUERY)";
         assert_eq!(
             classify(None, reset, true),
-            Some(ConnectFailure::ProtocolMismatch)
+            Some(ConnectFailure::TlsMismatch)
         );
         assert_eq!(
             classify(None, reset, false),
@@ -398,7 +398,7 @@ mod tests {
                      SSL_HANDSHAKE (after 2001ms in state SSL_HANDSHAKE)";
         assert_eq!(
             classify(None, stuck, false),
-            Some(ConnectFailure::ProtocolMismatch)
+            Some(ConnectFailure::TlsMismatch)
         );
         let refused = "ssl://a:1/bootstrap: Receive failed: ssl/record/rec_layer_s3.c:918:\
                        ssl3_read_bytes error:0A00045C:SSL routines::tlsv13 alert certificate \
@@ -424,7 +424,7 @@ mod tests {
             "{named:?}"
         );
         let logged = connect(
-            ConnectFailure::ProtocolMismatch,
+            ConnectFailure::TlsMismatch,
             "[thrd:ssl://a:1/bootstrap]: ssl://a:1/bootstrap: Connection setup timed out",
             &config,
         );

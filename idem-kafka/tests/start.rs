@@ -176,11 +176,7 @@ async fn tls_to_a_plaintext_listener_fails_at_start_as_a_mismatch() {
         &[("security.protocol", "SSL"), ("ssl.ca.location", &ca)],
     )
     .await;
-    assert_eq!(
-        failure,
-        ConnectFailure::ProtocolMismatch,
-        "{broker}: {detail}"
-    );
+    assert_eq!(failure, ConnectFailure::TlsMismatch, "{broker}: {detail}");
     assert!(broker.contains(port(&brokers)), "{broker}");
 }
 
@@ -188,11 +184,7 @@ async fn tls_to_a_plaintext_listener_fails_at_start_as_a_mismatch() {
 async fn plaintext_to_a_tls_listener_fails_at_start_as_a_mismatch() {
     let brokers = idem_conformance::service_env("IDEM_KAFKA_SSL_BROKERS");
     let (broker, failure, detail) = refused(&brokers, &[("security.protocol", "PLAINTEXT")]).await;
-    assert_eq!(
-        failure,
-        ConnectFailure::ProtocolMismatch,
-        "{broker}: {detail}"
-    );
+    assert_eq!(failure, ConnectFailure::TlsMismatch, "{broker}: {detail}");
     assert!(broker.contains(port(&brokers)), "{broker}");
 }
 

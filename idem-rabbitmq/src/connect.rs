@@ -47,7 +47,7 @@ impl Target {
             .await
             .map_err(|source| Error::Connect {
                 server: self.server.clone(),
-                problem: ConnectProblem::of(&source, self.uri.scheme == AMQPScheme::AMQPS),
+                failure: ConnectFailure::of(&source, self.uri.scheme == AMQPScheme::AMQPS),
                 source,
             })
     }
@@ -56,7 +56,7 @@ impl Target {
 /// Why a connect failed, as far as the client can tell.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum ConnectProblem {
+pub enum ConnectFailure {
     /// No server accepts connections there (refused, unreachable, timed out, unknown name).
     Unreachable,
     /// The server's TLS certificate is not trusted: signed by a CA the client does not
@@ -70,34 +70,36 @@ pub enum ConnectProblem {
     NotPlainAmqp,
     /// The server refused the login: the user name or password, or the client
     /// certificate's user with `auth_mechanism=external`.
-    Credentials,
+    Authentication,
     /// Anything else; the source says what.
     Other,
 }
 
-impl ConnectProblem {
-    fn of(e: &lapin::Error, secure: bool) -> ConnectProblem {
+impl ConnectFailure {
+    fn of(e: &lapin::Error, secure: bool) -> ConnectFailure {
         match e.kind() {
-            ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403 => ConnectProblem::Credentials,
-            ErrorKind::AuthProviderError(_) => ConnectProblem::Credentials,
+            ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403 => {
+                ConnectFailure::Authentication
+            }
+            ErrorKind::AuthProviderError(_) => ConnectFailure::Authentication,
             ErrorKind::ParsingError(_) | ErrorKind::InvalidProtocolVersion(_) if !secure => {
-                ConnectProblem::NotPlainAmqp
+                ConnectFailure::NotPlainAmqp
             }
             ErrorKind::IOError(io) => Self::of_io(io, secure),
-            _ => ConnectProblem::Other,
+            _ => ConnectFailure::Other,
         }
     }
 
-    fn of_io(io: &std::io::Error, secure: bool) -> ConnectProblem {
+    fn of_io(io: &std::io::Error, secure: bool) -> ConnectFailure {
         use std::io::ErrorKind as Io;
         #[cfg(feature = "tls")]
         if let Some(tls) = io.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
             return match tls {
-                rustls::Error::InvalidCertificate(_) => ConnectProblem::UntrustedCertificate,
+                rustls::Error::InvalidCertificate(_) => ConnectFailure::UntrustedCertificate,
                 rustls::Error::InvalidMessage(_) | rustls::Error::InappropriateMessage { .. } => {
-                    ConnectProblem::NotTls
+                    ConnectFailure::NotTls
                 }
-                _ => ConnectProblem::Tls,
+                _ => ConnectFailure::Tls,
             };
         }
         match io.kind() {
@@ -106,35 +108,35 @@ impl ConnectProblem {
             | Io::HostUnreachable
             | Io::NetworkUnreachable
             | Io::AddrNotAvailable
-            | Io::NotFound => ConnectProblem::Unreachable,
+            | Io::NotFound => ConnectFailure::Unreachable,
             // A TLS server drops a client that opens with the AMQP header.
             Io::UnexpectedEof | Io::ConnectionReset | Io::ConnectionAborted if !secure => {
-                ConnectProblem::NotPlainAmqp
+                ConnectFailure::NotPlainAmqp
             }
-            _ => ConnectProblem::Other,
+            _ => ConnectFailure::Other,
         }
     }
 }
 
-impl fmt::Display for ConnectProblem {
+impl fmt::Display for ConnectFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            ConnectProblem::Unreachable => "no server answers there",
-            ConnectProblem::UntrustedCertificate => {
+            ConnectFailure::Unreachable => "no server answers there",
+            ConnectFailure::UntrustedCertificate => {
                 "the server's TLS certificate is not trusted (give its CA with `tls_ca_file`)"
             }
-            ConnectProblem::Tls => "the TLS handshake failed",
-            ConnectProblem::NotTls => {
+            ConnectFailure::Tls => "the TLS handshake failed",
+            ConnectFailure::NotTls => {
                 "the server does not speak TLS on this port (a plain AMQP port? use amqp://)"
             }
-            ConnectProblem::NotPlainAmqp => {
+            ConnectFailure::NotPlainAmqp => {
                 "the server does not answer plain AMQP on this port (a TLS port? use amqps://)"
             }
-            ConnectProblem::Credentials => {
+            ConnectFailure::Authentication => {
                 "the server refused the login (the user and password, or the client \
                  certificate's user)"
             }
-            ConnectProblem::Other => "the connection failed",
+            ConnectFailure::Other => "the connection failed",
         })
     }
 }

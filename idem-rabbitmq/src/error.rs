@@ -21,14 +21,14 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
-    /// Connecting to the server failed: `problem` says why (an untrusted certificate, a
+    /// Connecting to the server failed: `failure` says why (an untrusted certificate, a
     /// refused login, TLS to a plain port or the reverse, no server there).
-    #[error("cannot connect to {server}: {problem}: {source}")]
+    #[error("cannot connect to {server}: {failure}: {source}")]
     Connect {
         /// The server, `host:port`.
         server: String,
         /// Why, as far as the client can tell.
-        problem: crate::ConnectProblem,
+        failure: crate::ConnectFailure,
         /// The client's error.
         #[source]
         source: lapin::Error,

@@ -17,7 +17,7 @@ mod tx;
 use idem_core::binding;
 
 pub use builder::ConsumerBuilder;
-pub use connect::ConnectProblem;
+pub use connect::ConnectFailure;
 pub use consumer::IdemConsumer;
 pub use dead_letter::{DeadLetters, HEADER_EXCHANGE, HEADER_QUEUE, HEADER_ROUTING_KEY};
 pub use error::{Error, Result};

@@ -12,7 +12,7 @@ use common::{Effects, Queue, Watch};
 use idem_core::{Engine, MemoryBackend};
 use idem_rabbitmq::lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use idem_rabbitmq::lapin::{Connection, ConnectionProperties};
-use idem_rabbitmq::{ConnectProblem, ConsumerBuilder, Error, IdemConsumer};
+use idem_rabbitmq::{ConnectFailure, ConsumerBuilder, Error, IdemConsumer};
 use tokio_util::sync::CancellationToken;
 
 const WITHIN: Duration = Duration::from_secs(30);
@@ -147,12 +147,12 @@ async fn a_client_certificate_logs_in_with_external() {
     .await;
     // Without the certificate the server has no user to log in.
     let (problem, text) = fails_at_start(&url, true).await;
-    assert_eq!(problem, ConnectProblem::Credentials, "{text}");
+    assert_eq!(problem, ConnectFailure::Authentication, "{text}");
 }
 
 /// `run()` of a consumer of `url` (with the test CA when `ca`) fails at its first connect:
 /// the problem, and the error's text.
-async fn fails_at_start(url: &str, ca: bool) -> (ConnectProblem, String) {
+async fn fails_at_start(url: &str, ca: bool) -> (ConnectFailure, String) {
     let watch = Watch::new();
     let mut builder = consumer(url, "idem-test-tls-never", &Effects::default(), &watch);
     if ca {
@@ -166,11 +166,11 @@ async fn fails_at_start(url: &str, ca: bool) -> (ConnectProblem, String) {
     match err {
         Error::Connect {
             ref server,
-            problem,
+            failure,
             ..
         } => {
             assert_eq!(*server, self::server(url), "{err}");
-            (problem, err.to_string())
+            (failure, err.to_string())
         }
         other => panic!("not a connect error: {other:?}"),
     }
@@ -180,7 +180,7 @@ async fn fails_at_start(url: &str, ca: bool) -> (ConnectProblem, String) {
 async fn an_untrusted_certificate_fails_at_start() {
     let url = tls_url();
     let (problem, text) = fails_at_start(&url, false).await;
-    assert_eq!(problem, ConnectProblem::UntrustedCertificate, "{text}");
+    assert_eq!(problem, ConnectFailure::UntrustedCertificate, "{text}");
     assert!(text.contains(&server(&url)), "{text}");
     assert!(text.contains("certificate is not trusted"), "{text}");
 }
@@ -189,7 +189,7 @@ async fn an_untrusted_certificate_fails_at_start() {
 async fn a_wrong_password_fails_at_start() {
     let url = tls_url().replacen("guest:guest@", "guest:not-the-password@", 1);
     let (problem, text) = fails_at_start(&url, true).await;
-    assert_eq!(problem, ConnectProblem::Credentials, "{text}");
+    assert_eq!(problem, ConnectFailure::Authentication, "{text}");
     assert!(text.contains(&server(&url)), "{text}");
     assert!(text.contains("refused the login"), "{text}");
     assert!(
@@ -202,7 +202,7 @@ async fn a_wrong_password_fails_at_start() {
 async fn plain_amqp_to_the_tls_port_fails_at_start() {
     let url = with_scheme(&tls_url(), "amqps://", "amqp://");
     let (problem, text) = fails_at_start(&url, false).await;
-    assert_eq!(problem, ConnectProblem::NotPlainAmqp, "{text}");
+    assert_eq!(problem, ConnectFailure::NotPlainAmqp, "{text}");
     assert!(text.contains(&server(&url)), "{text}");
     assert!(text.contains("use amqps://"), "{text}");
 }
@@ -211,7 +211,7 @@ async fn plain_amqp_to_the_tls_port_fails_at_start() {
 async fn amqps_to_the_plain_port_fails_at_start() {
     let url = with_scheme(&env("IDEM_RABBITMQ_URL"), "amqp://", "amqps://");
     let (problem, text) = fails_at_start(&url, true).await;
-    assert_eq!(problem, ConnectProblem::NotTls, "{text}");
+    assert_eq!(problem, ConnectFailure::NotTls, "{text}");
     assert!(text.contains(&server(&url)), "{text}");
     assert!(text.contains("use amqp://"), "{text}");
 }
