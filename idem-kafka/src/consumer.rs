@@ -9,15 +9,13 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use rdkafka::config::RDKafkaLogLevel;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::TopicPartitionList;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message as _};
-use rdkafka::types::RDKafkaRespErr;
-use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::{Semaphore, oneshot};
 
-use crate::client::{Client, log_to_tracing};
+use crate::client::Client;
 use crate::crash::Crash;
 use crate::dead_letter::write::Writer;
 use crate::handle::{BYTES, Fetch, OFFSETS, PartitionState, Route, WorkerHandle};
@@ -28,6 +26,10 @@ use crate::worker::{Ctx, Worker};
 use crate::{Error, Result};
 use idem_core::binding::Backoff;
 use idem_core::binding::Budget;
+
+mod rebalance;
+
+pub(crate) use rebalance::LoopContext;
 
 /// How long one poll of the client blocks; also how quickly the poll thread notices a
 /// shutdown.
@@ -468,97 +470,6 @@ impl Shared {
             true
         });
     }
-}
-
-/// The rdkafka context: rebalance and commit callbacks.
-pub(crate) struct LoopContext {
-    shared: Arc<Shared>,
-}
-
-impl ClientContext for LoopContext {
-    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
-        // The one report of a failed asynchronous commit: librdkafka hands its result
-        // only to a commit callback set in its configuration, which rdkafka does not set,
-        // and logs it instead.
-        if fac == "COMMITFAIL" {
-            crate::metrics::commit_failed(&self.shared.settings().group);
-        }
-        log_to_tracing(level, fac, message);
-    }
-
-    fn error(&self, error: KafkaError, reason: &str) {
-        tracing::warn!(target: "librdkafka", %error, reason, "client error");
-    }
-}
-
-impl ConsumerContext for LoopContext {
-    /// Revoke: stop dispatching, wait for in-flight handlers, commit what is settled, then
-    /// unassign. Assign: in transactional mode set the offsets stored in PostgreSQL, then
-    /// assign and start a worker per partition; if the store did not answer, the
-    /// partitions are held back (paused, their workers waiting) until it does.
-    fn rebalance(
-        &self,
-        consumer: &BaseConsumer<Self>,
-        err: RDKafkaRespErr,
-        tpl: &mut TopicPartitionList,
-    ) {
-        let cooperative = matches!(
-            consumer.rebalance_protocol(),
-            RebalanceProtocol::Cooperative
-        );
-        let result = match err {
-            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                tracing::info!(partitions = %listed(tpl), "partitions assigned");
-                let positioned = self.shared.seek_to_stored(tpl);
-                let r = if cooperative {
-                    consumer.incremental_assign(tpl)
-                } else {
-                    consumer.assign(tpl)
-                };
-                if !self.shared.ctx.crash.happened() {
-                    self.shared.assign(consumer, tpl, positioned);
-                }
-                r
-            }
-            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
-                let tps: Vec<Tp> = tpl
-                    .elements()
-                    .iter()
-                    .map(|e| (Arc::from(e.topic()), e.partition()))
-                    .collect();
-                tracing::info!(partitions = %listed(tpl), "partitions revoked");
-                self.shared.revoke(consumer, &tps);
-                if cooperative {
-                    consumer.incremental_unassign(tpl)
-                } else {
-                    consumer.unassign()
-                }
-            }
-            other => {
-                tracing::warn!(error = ?other, "rebalance error");
-                let all = self.shared.all_partitions();
-                self.shared.revoke(consumer, &all);
-                if cooperative {
-                    consumer.incremental_unassign(tpl)
-                } else {
-                    consumer.unassign()
-                }
-            }
-        };
-        if let Err(e) = result {
-            tracing::warn!(error = %e, "assign or unassign failed");
-        }
-    }
-}
-
-/// `topic/partition` for each partition of `tpl`, comma-separated, for the log.
-fn listed(tpl: &TopicPartitionList) -> String {
-    let each: Vec<String> = tpl
-        .elements()
-        .iter()
-        .map(|e| format!("{}/{}", e.topic(), e.partition()))
-        .collect();
-    each.join(",")
 }
 
 /// The poll thread: serves the rebalance callbacks, routes a message that arrives on the
