@@ -102,26 +102,14 @@ pub(crate) fn first_contact(what: &str, server: &str, e: sqlx::Error) -> Error {
     }
 }
 
-/// Why the server's certificate was refused, if that is what `e` is.
-#[cfg(feature = "tls")]
+/// Why the server's certificate was refused, if that is what `e` is (without TLS there is
+/// no certificate to refuse).
 fn untrusted(e: &sqlx::Error) -> Option<String> {
-    let sqlx::Error::Io(io) = e else { return None };
-    use rustls::CertificateError as Why;
-    let rustls::Error::InvalidCertificate(why) = io.get_ref()?.downcast_ref::<rustls::Error>()?
-    else {
-        return None;
-    };
-    Some(match why {
-        Why::UnknownIssuer => "signed by a CA not trusted here".to_owned(),
-        Why::NotValidForName | Why::NotValidForNameContext { .. } => {
-            format!("not issued for this host: {why}")
-        }
-        other => other.to_string(),
-    })
-}
-
-/// Without TLS there is no certificate to refuse.
-#[cfg(not(feature = "tls"))]
-fn untrusted(_: &sqlx::Error) -> Option<String> {
-    None
+    #[cfg(feature = "tls")]
+    return idem_core::backend::tls::untrusted_certificate(e);
+    #[cfg(not(feature = "tls"))]
+    {
+        let _ = e;
+        None
+    }
 }

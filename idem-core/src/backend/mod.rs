@@ -60,6 +60,8 @@ use crate::{Error, FailureKind, HandlerError, Key, Lease, Record, Result, State,
 pub mod driver;
 pub mod machine;
 mod model;
+#[cfg(feature = "rustls")]
+pub mod tls;
 pub mod tx;
 pub mod watch;
 
