@@ -567,7 +567,7 @@ impl fmt::Debug for ConsumerBuilder {
     }
 }
 
-mod config;
+pub(crate) mod config;
 #[cfg(test)]
 mod tests;
 

@@ -27,6 +27,7 @@ use crate::{Error, Result};
 use idem_core::binding::Backoff;
 use idem_core::binding::Budget;
 
+mod assign;
 mod rebalance;
 
 pub(crate) use rebalance::LoopContext;
@@ -300,7 +301,7 @@ impl Shared {
 
     /// Creates workers for newly assigned partitions and makes sure they are not paused;
     /// unless `positioned`, holds them back: paused, their workers waiting, until
-    /// [`crate::tx::position_later`] starts them from the store's offsets.
+    /// [`assign::position_later`] starts them from the store's offsets.
     fn assign(
         self: &Arc<Self>,
         consumer: &BaseConsumer<LoopContext>,
@@ -343,7 +344,7 @@ impl Shared {
             state.set_pause(&self.ctx.client, OFFSETS, true);
         }
         let weak = self.consumer.get().cloned();
-        let seek: crate::tx::Seek = Arc::new(move |topic, partition, next| {
+        let seek: assign::Seek = Arc::new(move |topic, partition, next| {
             let consumer = weak
                 .as_ref()
                 .and_then(Weak::upgrade)
@@ -354,7 +355,7 @@ impl Shared {
                 .map_err(|e| e.to_string())
         });
         let settings = self.settings();
-        self.runtime.spawn(crate::tx::position_later(
+        self.runtime.spawn(assign::position_later(
             Arc::clone(store),
             settings.group.clone(),
             Backoff::new(settings.retry_backoff),
@@ -397,7 +398,7 @@ impl Shared {
     }
 
     /// In transactional mode, sets the offsets of newly assigned partitions to those the
-    /// store keeps (see [`crate::tx::seek_to_stored`]); says whether their start is known
+    /// store keeps (see [`assign::seek_to_stored`]); says whether their start is known
     /// (always in lease mode).
     fn seek_to_stored(&self, tpl: &mut TopicPartitionList) -> bool {
         let settings = self.settings();
@@ -407,7 +408,7 @@ impl Shared {
         // Patient enough for a store's blip (200 ms, then 400 ms), short enough for a
         // rebalance callback.
         let backoff = Backoff::new((Duration::from_millis(200), Duration::from_secs(1)));
-        crate::tx::seek_to_stored(&**store, &settings.group, backoff, &self.runtime, tpl)
+        assign::seek_to_stored(&**store, &settings.group, backoff, &self.runtime, tpl)
     }
 
     fn all_partitions(&self) -> Vec<Tp> {

@@ -40,7 +40,7 @@ pub(crate) struct PartitionState {
     /// Bytes of this partition's messages held.
     pub held: Arc<Held>,
     /// Fired once the partition's start is known; its worker takes no message before
-    /// (transactional mode: the store's offset for it was read, see `tx::position_later`).
+    /// (transactional mode: the store's offset for it was read, see `consumer::assign::position_later`).
     pub positioned: Signal,
     /// The last offset before the partition's start: its worker drops messages at or
     /// below it (fetched from Kafka's offset before the seek to the store's).

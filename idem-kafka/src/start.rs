@@ -83,7 +83,7 @@ impl Checks {
     /// client when that config is the consumer's, as by default); blocks, up to the start
     /// timeout for each client.
     pub fn run(self) -> Result<()> {
-        let config = crate::builder::producer_config(&self.consumer_config);
+        let config = crate::builder::config::producer_config(&self.consumer_config);
         let same = config.config_map() == self.dead_letter_config.config_map();
         let asker = Asker::new(config, self.timeout)?;
         let sources = asker.missing(&self.sources)?;
