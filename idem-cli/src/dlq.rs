@@ -26,7 +26,10 @@ pub async fn run(args: DlqArgs) -> Result<()> {
 
 fn kafka_error(context: impl Into<String>) -> impl FnOnce(idem_kafka::Error) -> Error {
     let context = context.into();
-    move |source| Error::Kafka { context, source }
+    move |source| Error::Kafka {
+        context,
+        source: Box::new(source),
+    }
 }
 
 fn client_config(args: &KafkaArgs) -> Result<ClientConfig> {

@@ -50,9 +50,9 @@ pub enum Error {
     Kafka {
         /// What was being done.
         context: String,
-        /// The error.
+        /// The error (boxed: the consumer's errors name topics and brokers).
         #[source]
-        source: idem_kafka::Error,
+        source: Box<idem_kafka::Error>,
     },
     /// Reading or writing a local file or the terminal failed.
     #[error("{context}: {source}")]

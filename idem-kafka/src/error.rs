@@ -72,9 +72,9 @@ pub enum Error {
         /// from the partition; `None` if it read none, when it is the offset the partition
         /// started from (rdkafka does not pass on librdkafka's own).
         offset: Option<i64>,
-        /// The client's error.
+        /// The client's error (boxed, so that every `Result` of this crate stays small).
         #[source]
-        source: KafkaError,
+        source: Box<KafkaError>,
     },
 }
 

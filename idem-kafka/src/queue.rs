@@ -76,7 +76,7 @@ impl<C: ConsumerContext + 'static> Fetch for Queue<C> {
                         topic: topic.to_string(),
                         partition: self.partition,
                         offset: (last >= 0).then_some(last + 1),
-                        source,
+                        source: Box::new(source),
                     });
                     return None;
                 }
