@@ -27,10 +27,11 @@ async fn the_quickstart_charges_each_payment_once() {
         .set("bootstrap.servers", &brokers)
         .create()
         .expect("admin client");
-    let topic = NewTopic::new("payments", 1, TopicReplication::Fixed(1));
-    // The topic may be there from an earlier run: an error for it is fine, a missing
-    // topic shows as the consumer never charging below.
-    let _ = admin.create_topics([&topic], &AdminOptions::new()).await;
+    // The quickstart's topic and its dead-letter topic: `run()` checks both at start. Either
+    // may be there from an earlier run: an error for it is fine, a missing topic shows as
+    // the quickstart failing below.
+    let topics = ["payments", "payments.dlq"].map(|t| NewTopic::new(t, 1, TopicReplication::Fixed(1)));
+    let _ = admin.create_topics(&topics, &AdminOptions::new()).await;
 
     let mut child = Running(
         Command::new(env!("CARGO_BIN_EXE_quickstart"))
