@@ -10,7 +10,7 @@ use idem_core::backend::driver::{Driver, MEMORY, Options, Store};
 /// A backend this build knows of.
 #[derive(Clone, Copy)]
 pub struct Registered {
-    /// Its name: `memory`, `redis`, `postgres`, `dynamodb`.
+    /// Its name: `memory`, `redis`, `postgres`, `mysql`, `dynamodb`.
     pub name: &'static str,
     /// The facade feature that compiles it in (empty for `memory`, always there).
     pub feature: &'static str,

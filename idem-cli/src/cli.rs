@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-/// idem: effectively-once processing for Kafka consumers.
+/// idem: effectively-once processing for Kafka and RabbitMQ consumers, over memory, Redis,
+/// PostgreSQL, MySQL or DynamoDB.
 ///
 /// Backends are named by URL: memory:, redis://host:port/db, postgres://user@host/db
 /// (?schema=name), mysql://user@host/db (?schema=name),
@@ -37,7 +38,8 @@ pub enum Command {
     Delete(ChangeKeyArgs),
     /// Drop records past their expiry.
     Purge(ChangeArgs),
-    /// Create the store's tables: PostgreSQL migrations, or the DynamoDB table with TTL.
+    /// Create the store's tables: PostgreSQL and MySQL migrations, or the DynamoDB table
+    /// with TTL (memory and Redis need none).
     Migrate(ChangeArgs),
     /// Dead-letter topics: list their letters, send letters back to their topics.
     Dlq(DlqArgs),
