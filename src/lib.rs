@@ -1,4 +1,13 @@
-#![doc = include_str!("../README.md")]
+// The README is the front page. Its quickstart needs the features `redis` and `kafka` (as
+// docs.rs builds it, with every feature); without them the page is a pointer to it, so the
+// README's example needs no lines hidden from a reader who pastes it.
+#![cfg_attr(all(feature = "redis", feature = "kafka"), doc = include_str!("../README.md"))]
+#![cfg_attr(
+    not(all(feature = "redis", feature = "kafka")),
+    doc = "Effectively-once processing for Kafka and RabbitMQ consumers: idempotency keys, \
+           leases and fencing over Redis, PostgreSQL, MySQL, DynamoDB or memory. The \
+           README (this page, with the features `redis` and `kafka` on) has the quickstart."
+)]
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
