@@ -11,7 +11,7 @@ use std::task::{self, Poll};
 use futures::future::Either;
 
 use crate::binding::Signal;
-use crate::{ClaimKind, FailureKind, Lease};
+use crate::{BoxError, ClaimKind, FailureKind, Lease};
 
 /// What the engine hands a handler: the lease it runs under, and a signal that fires if
 /// the lease is lost while it runs.
@@ -106,26 +106,53 @@ pub fn panic_text(payload: &(dyn Any + Send)) -> &str {
 }
 
 /// A handler's failure: retryable (the default for any `?`-converted error) or permanent.
+///
+/// Any [`std::error::Error`] converts into it with `?` (a retryable failure, the error kept
+/// as its [`source`](HandlerError::source)), and so do `anyhow::Error`, `eyre::Report` and
+/// `Box<dyn Error>` through [`retry_from`](HandlerError::retry_from) or
+/// [`permanent_from`](HandlerError::permanent_from). For that `?` to work it is not itself
+/// a `std::error::Error` (as `anyhow::Error` is not): [`into_boxed`](HandlerError::into_boxed)
+/// gives one, with the cause as its source. The record stores the text only.
 pub struct HandlerError {
     message: String,
     kind: FailureKind,
+    source: Option<BoxError>,
 }
 
 impl HandlerError {
     /// A failure a later attempt may get past.
     pub fn retry(message: impl fmt::Display) -> Self {
-        HandlerError {
-            message: message.to_string(),
-            kind: FailureKind::Retry,
-        }
+        HandlerError::new(message.to_string(), FailureKind::Retry, None)
     }
 
     /// A failure no retry will fix: the key is poisoned at once.
     pub fn permanent(message: impl fmt::Display) -> Self {
+        HandlerError::new(message.to_string(), FailureKind::Permanent, None)
+    }
+
+    /// A retryable failure caused by `error`, kept as the source; its text is the message.
+    /// Takes what converts into a boxed error: any `std::error::Error`, `anyhow::Error`,
+    /// `eyre::Report`, `Box<dyn Error + Send + Sync>`, a `String`.
+    pub fn retry_from(error: impl Into<BoxError>) -> Self {
+        HandlerError::caused(error.into(), FailureKind::Retry)
+    }
+
+    /// A permanent failure caused by `error`, kept as the source (see
+    /// [`retry_from`](HandlerError::retry_from)).
+    pub fn permanent_from(error: impl Into<BoxError>) -> Self {
+        HandlerError::caused(error.into(), FailureKind::Permanent)
+    }
+
+    fn new(message: String, kind: FailureKind, source: Option<BoxError>) -> Self {
         HandlerError {
-            message: message.to_string(),
-            kind: FailureKind::Permanent,
+            message,
+            kind,
+            source,
         }
+    }
+
+    fn caused(error: BoxError, kind: FailureKind) -> Self {
+        HandlerError::new(error.to_string(), kind, Some(error))
     }
 
     /// A retryable failure for a handler that panicked with `payload`.
@@ -147,11 +174,21 @@ impl HandlerError {
     pub fn kind(&self) -> FailureKind {
         self.kind
     }
+
+    /// The error this failure was made from, if it was made from one.
+    pub fn source(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.source.as_deref()
+    }
+
+    /// This failure as a `std::error::Error`: its text, and the cause as its source.
+    pub fn into_boxed(self) -> BoxError {
+        Box::new(Failed(self))
+    }
 }
 
-impl<E: std::error::Error> From<E> for HandlerError {
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
     fn from(e: E) -> Self {
-        HandlerError::retry(e)
+        HandlerError::retry_from(e)
     }
 }
 
@@ -163,6 +200,84 @@ impl fmt::Display for HandlerError {
 
 impl fmt::Debug for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "HandlerError({:?}: {})", self.kind, self.message)
+        write!(f, "HandlerError({:?}: {})", self.kind, self.message)?;
+        match &self.source {
+            Some(source) => write!(f, " caused by {source:?}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// [`HandlerError::into_boxed`]'s error.
+struct Failed(HandlerError);
+
+impl fmt::Debug for Failed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for Failed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for Failed {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0
+            .source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io() -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::TimedOut, "card service timed out")
+    }
+
+    #[test]
+    fn a_question_mark_keeps_the_error_as_its_source() {
+        fn handler() -> Result<(), HandlerError> {
+            Err::<(), _>(io())?;
+            Ok(())
+        }
+        let e = handler().unwrap_err();
+        assert_eq!(e.kind(), FailureKind::Retry);
+        assert_eq!(e.message(), "card service timed out");
+        let source = e.source().expect("the io error");
+        let io = source
+            .downcast_ref::<std::io::Error>()
+            .expect("an io::Error");
+        assert_eq!(io.kind(), std::io::ErrorKind::TimedOut);
+    }
+
+    #[test]
+    fn boxed_errors_and_text_convert_with_their_kind() {
+        let boxed: BoxError = Box::new(io());
+        let e = HandlerError::permanent_from(boxed);
+        assert_eq!(e.kind(), FailureKind::Permanent);
+        assert!(e.source().is_some_and(|s| s.is::<std::io::Error>()));
+        let e = HandlerError::retry_from("declined");
+        assert_eq!((e.kind(), e.message()), (FailureKind::Retry, "declined"));
+        assert!(HandlerError::retry("plain").source().is_none());
+    }
+
+    #[test]
+    fn into_boxed_is_a_std_error_with_the_cause_as_source() {
+        let boxed = HandlerError::from(io()).into_boxed();
+        assert_eq!(boxed.to_string(), "card service timed out");
+        let cause = boxed.source().expect("a source");
+        assert!(cause.is::<std::io::Error>(), "{cause:?}");
+        assert!(
+            HandlerError::retry("no cause")
+                .into_boxed()
+                .source()
+                .is_none()
+        );
     }
 }
