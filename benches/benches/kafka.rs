@@ -406,7 +406,9 @@ async fn idem(brokers: &str, topic: &str, n: usize, mode: Idem) -> Duration {
     let builder = match mode {
         Idem::Lease(backend) => builder
             .engine(Engine::builder(backend).build().expect("engine"))
-            .handler(|msg, _| async move { Ok(handle(msg.key().map(|k| k.id().as_bytes()))) }),
+            .handler(|msg, _| async move {
+                Ok(handle(msg.idempotency_key().map(|k| k.id().as_bytes())))
+            }),
         Idem::Transactional(pg) => builder.transactional(pg, ledger_row::<sql::Postgres>),
         Idem::OnePerTx(pg) => {
             builder.transactional(one_per_tx::OnePerTx(pg), ledger_row::<sql::Postgres>)
@@ -432,7 +434,10 @@ fn ledger_row<'t, S: sql::Sql>(
     _lease: idem_core::Lease,
 ) -> futures::future::BoxFuture<'t, Result<Bytes, idem_core::HandlerError>> {
     async move {
-        let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+        let id = msg
+            .idempotency_key()
+            .map(|k| k.id().to_owned())
+            .unwrap_or_default();
         S::ledger(&mut **tx, &id)
             .await
             .map_err(idem_core::HandlerError::retry)?;

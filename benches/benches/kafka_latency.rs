@@ -263,9 +263,9 @@ fn start(
                     .probe(settles.clone())
                     .shutdown(async move { signal.cancelled().await })
                     .engine(Engine::builder(backend.clone()).build().expect("engine"))
-                    .handler(
-                        |msg, _| async move { Ok(handle(msg.key().map(|k| k.id().as_bytes()))) },
-                    )
+                    .handler(|msg, _| async move {
+                        Ok(handle(msg.idempotency_key().map(|k| k.id().as_bytes())))
+                    })
                     .build()
                     .expect("idem consumer");
             tokio::spawn(async move { consumer.run().await.expect("idem loop") })

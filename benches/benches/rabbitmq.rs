@@ -234,7 +234,7 @@ async fn idem_loop(queue: &str, n: usize, store: Arc<dyn Backend>) -> Duration {
         .prefetch(PREFETCH)
         .probe(timing.clone())
         .shutdown(stop.clone().cancelled_owned())
-        .handler(|m, _| async move { Ok(handle(m.key().map(|k| k.id().as_bytes()))) })
+        .handler(|m, _| async move { Ok(handle(m.idempotency_key().map(|k| k.id().as_bytes()))) })
         .build()
         .expect("consumer");
     let run = tokio::spawn(consumer.run());

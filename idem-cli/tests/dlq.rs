@@ -127,7 +127,10 @@ async fn a_poisoned_message_is_replayed_after_the_fix_and_handled_once() {
                 if !fixed {
                     return Err(HandlerError::permanent("bug: amount \"5\" is not a number"));
                 }
-                let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                let id = msg
+                    .idempotency_key()
+                    .map(|k| k.id().to_owned())
+                    .unwrap_or_default();
                 handled.lock().expect("lock").push(id);
                 Ok(Bytes::from_static(b"charged"))
             }

@@ -124,7 +124,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 // The sender outlives the consumer, so this wait ends only when it is set.
                 let _ = held.wait_for(|filled| *filled).await;
                 tokio::time::sleep(Duration::from_millis(handler_ms)).await;
-                let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                let id = msg
+                    .idempotency_key()
+                    .map(|k| k.id().to_owned())
+                    .unwrap_or_default();
                 *runs.lock().expect("lock").entry(id).or_default() += 1;
                 Ok(Bytes::from_static(b"ok"))
             }

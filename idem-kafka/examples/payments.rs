@@ -98,7 +98,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .handler(move |msg, ctx| {
             let ledger = ledger.clone();
             async move {
-                let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                let id = msg
+                    .idempotency_key()
+                    .map(|k| k.id().to_owned())
+                    .unwrap_or_default();
                 if id == DECLINED {
                     return Err(HandlerError::permanent("card declined"));
                 }

@@ -196,7 +196,7 @@ impl Drop for Runs {
 
 /// The payment id of a message, from its idempotency key.
 fn payment(msg: &Message) -> Result<String, HandlerError> {
-    msg.key()
+    msg.idempotency_key()
         .map(|k| k.id().to_owned())
         .ok_or_else(|| HandlerError::permanent("no payment id"))
 }

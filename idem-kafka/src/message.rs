@@ -126,9 +126,9 @@ impl Message {
         self
     }
 
-    /// The idempotency key, or `None` for a message processed without one (see
+    /// The idempotency key (not the broker's message key: that is `message_key`), or `None` for a message processed without one (see
     /// [`MissingKey::Process`](crate::MissingKey::Process)).
-    pub fn key(&self) -> Option<&Key> {
+    pub fn idempotency_key(&self) -> Option<&Key> {
         self.inner.key.as_ref()
     }
 
@@ -271,7 +271,7 @@ impl fmt::Debug for Message {
             .field("topic", &self.topic())
             .field("partition", &self.partition())
             .field("offset", &self.offset())
-            .field("key", &self.key())
+            .field("idempotency_key", &self.idempotency_key())
             .field("payload_bytes", &self.payload().len())
             .finish()
     }

@@ -94,7 +94,11 @@ async fn scenario(reset: &str) {
             .transactional(pg.clone(), move |msg, tx, lease| {
                 let table = table.clone();
                 async move {
-                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    let id = msg
+                        .idempotency_key()
+                        .map(Key::id)
+                        .unwrap_or_default()
+                        .to_owned();
                     let q = format!(
                         "INSERT INTO {table} (payment, token, instance) VALUES ($1, $2, 0)"
                     );

@@ -409,7 +409,7 @@ async fn a_key_on_two_partitions_never_runs_in_two_handlers_at_once() {
             let (runs, effects, started) = (runs.clone(), effects.clone(), started.clone());
             let (first_key, second) = (first_key.clone(), second.clone());
             async move {
-                let key = msg.key().expect("keyed").clone();
+                let key = msg.idempotency_key().expect("keyed").clone();
                 runs.start(key.id(), msg.offset());
                 if started.fetch_add(1, Ordering::SeqCst) == 0 {
                     if let Some(tx) = first_key.lock().expect("lock").take() {

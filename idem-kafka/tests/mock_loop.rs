@@ -52,7 +52,10 @@ async fn duplicate_is_replayed_not_rerun() {
                 let fx = fx.clone();
                 async move {
                     assert!(ctx.is_some(), "keyed messages run under a lease");
-                    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                    let id = msg
+                        .idempotency_key()
+                        .map(|k| k.id().to_owned())
+                        .unwrap_or_default();
                     Ok::<_, HandlerError>(fx.apply(&id))
                 }
             }),
@@ -164,7 +167,11 @@ async fn run_each_key_once(brokers: &str, topic: &str, n: usize) -> (Arc<Effects
             .handler(move |msg, _| {
                 let fx = fx.clone();
                 async move {
-                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    let id = msg
+                        .idempotency_key()
+                        .map(Key::id)
+                        .unwrap_or_default()
+                        .to_owned();
                     fx.apply(&id);
                     Ok(Bytes::from(id))
                 }
@@ -324,7 +331,11 @@ async fn bad_messages_end_in_the_dead_letter_topic_with_headers() {
             .handler(move |msg, _| {
                 let fx = fx.clone();
                 async move {
-                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    let id = msg
+                        .idempotency_key()
+                        .map(Key::id)
+                        .unwrap_or_default()
+                        .to_owned();
                     fx.apply(&id);
                     match id.as_str() {
                         "poison" => Err(HandlerError::permanent("card declined for good")),
@@ -411,7 +422,11 @@ async fn a_panic_before_the_handler_future_exists_is_a_failure_not_a_stall() {
             }))
             .engine(memory_engine())
             .handler(move |msg, _| {
-                let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                let id = msg
+                    .idempotency_key()
+                    .map(Key::id)
+                    .unwrap_or_default()
+                    .to_owned();
                 if id == "boom" {
                     tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     panic!("sync boom");
@@ -534,7 +549,11 @@ async fn a_dead_letter_over_the_size_limit_is_written_without_the_original() {
             .engine(memory_engine())
             .dead_letter_config(small)
             .handler(move |msg, _| {
-                let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                let id = msg
+                    .idempotency_key()
+                    .map(Key::id)
+                    .unwrap_or_default()
+                    .to_owned();
                 fx.apply(&id);
                 async move {
                     match id.as_str() {
@@ -725,7 +744,7 @@ async fn two_consumers_in_one_group_rebalance() {
                 let (fx, mine) = (fx.clone(), mine.clone());
                 async move {
                     tokio::time::sleep(Duration::from_millis(5)).await;
-                    let id = msg.key().map(Key::id).unwrap_or_default();
+                    let id = msg.idempotency_key().map(Key::id).unwrap_or_default();
                     mine.apply(id);
                     Ok(fx.apply(id))
                 }
@@ -962,7 +981,7 @@ async fn keyless_messages_can_be_processed_without_deduplication() {
             .handler(move |msg, ctx| {
                 let fx = fx.clone();
                 async move {
-                    let id = match (msg.key(), ctx) {
+                    let id = match (msg.idempotency_key(), ctx) {
                         (Some(k), Some(_)) => k.id().to_owned(),
                         (None, None) => "keyless".to_owned(),
                         other => panic!("a key comes with a lease: {other:?}"),
@@ -1131,7 +1150,10 @@ async fn a_full_buffer_pauses_the_partition_and_it_resumes_with_each_message_onc
                         let _ = tx.send(());
                         let _ = g.acquire().await;
                     }
-                    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                    let id = msg
+                        .idempotency_key()
+                        .map(|k| k.id().to_owned())
+                        .unwrap_or_default();
                     Ok::<_, HandlerError>(fx.apply(&id))
                 }
             }),

@@ -115,7 +115,7 @@ async fn spans_and_counters_follow_each_message() {
             .handler(move |msg, ctx| {
                 let (store, fenced_once) = (store.clone(), fenced_once.clone());
                 async move {
-                    let key = msg.key().cloned().expect("keyed");
+                    let key = msg.idempotency_key().cloned().expect("keyed");
                     match key.id() {
                         "poison" => Err(HandlerError::permanent("never")),
                         // The record vanishes under the first run (as if an operator

@@ -45,7 +45,7 @@ async fn a_stuck_partition_holds_a_few_batches_not_its_whole_backlog() {
                 move |msg, _| {
                     let (gate, stuck) = (gate.clone(), stuck.clone());
                     async move {
-                        if msg.key().is_some_and(|k| k.id() == "m0000") {
+                        if msg.idempotency_key().is_some_and(|k| k.id() == "m0000") {
                             stuck.notify_one();
                             let _ = gate.acquire().await;
                         }

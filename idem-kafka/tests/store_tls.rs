@@ -92,7 +92,11 @@ async fn lease_mode_on_postgres_verify_full_applies_each_payment_once() {
             .handler(move |msg, ctx| {
                 let (pool, table) = (pool.clone(), table.clone());
                 async move {
-                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    let id = msg
+                        .idempotency_key()
+                        .map(Key::id)
+                        .unwrap_or_default()
+                        .to_owned();
                     let token = ctx.map_or(0, |c| i64::try_from(c.token()).unwrap_or(i64::MAX));
                     let q = format!("INSERT INTO {table} (payment, token) VALUES ($1, $2)");
                     sqlx::query(sqlx::AssertSqlSafe(q))
@@ -164,7 +168,11 @@ async fn transactional_mode_on_mysql_verify_identity_applies_each_payment_once()
                  FROM information_schema.SESSION_STATUS WHERE VARIABLE_NAME = 'SSL_CIPHER'"
             );
             async move {
-                let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                let id = msg
+                    .idempotency_key()
+                    .map(Key::id)
+                    .unwrap_or_default()
+                    .to_owned();
                 sqlx::query(sqlx::AssertSqlSafe(insert))
                     .bind(&id)
                     .execute(&mut **tx)
@@ -230,7 +238,11 @@ async fn lease_mode_on_rediss_with_auth_applies_each_payment_once() {
             .handler(move |msg, _ctx| {
                 let seen = seen.clone();
                 async move {
-                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    let id = msg
+                        .idempotency_key()
+                        .map(Key::id)
+                        .unwrap_or_default()
+                        .to_owned();
                     *seen
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())

@@ -49,7 +49,11 @@ async fn writes_record_and_offset_commit_together_and_assign_seeks_to_postgres()
             .transactional(pg.clone(), move |msg, tx, lease| {
                 let table = table.clone();
                 async move {
-                    let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                    let id = msg
+                        .idempotency_key()
+                        .map(Key::id)
+                        .unwrap_or_default()
+                        .to_owned();
                     if id == "poison" {
                         return Err(HandlerError::permanent("bad payment"));
                     }
@@ -178,7 +182,11 @@ fn batch_consumer(
             );
             let (group, topic) = (group_name.clone(), topic_name.clone());
             async move {
-                let id = msg.key().map(Key::id).unwrap_or_default().to_owned();
+                let id = msg
+                    .idempotency_key()
+                    .map(Key::id)
+                    .unwrap_or_default()
+                    .to_owned();
                 sqlx::query(sqlx::AssertSqlSafe(insert))
                     .bind(&id)
                     .bind(msg.offset())
@@ -367,7 +375,7 @@ async fn a_dead_letter_does_not_store_the_offset_past_an_unsettled_message() {
         .retry_backoff(Duration::from_secs(8), Duration::from_secs(8))
         .transactional(pg.clone(), move |msg, _tx, lease| {
             async move {
-                match msg.key().map(Key::id) {
+                match msg.idempotency_key().map(Key::id) {
                     Some("slow") if lease.attempts == 1 => Err(HandlerError::retry("not yet")),
                     Some("slow") => Ok(Bytes::from_static(b"done")),
                     _ => Err(HandlerError::permanent("bad payment")),

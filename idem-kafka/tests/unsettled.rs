@@ -85,7 +85,7 @@ async fn doubles_after_a_crash(in_flight: usize, max_unsettled: Option<usize>) -
                 async move {
                     // A yield before the effect, so concurrent handlers interleave.
                     tokio::task::yield_now().await;
-                    let id = msg.key().map(Key::id).unwrap_or_default();
+                    let id = msg.idempotency_key().map(Key::id).unwrap_or_default();
                     Ok::<_, HandlerError>(fx.apply(id))
                 }
             });

@@ -91,7 +91,7 @@ struct Settled;
 impl Probe for Settled {
     fn reached(&self, point: Point, m: &Message) -> Verdict {
         if point == Point::AfterSettle {
-            let id = m.key().map_or("-", |k| k.id());
+            let id = m.idempotency_key().map_or("-", |k| k.id());
             let copy = m
                 .header("copy")
                 .map_or("-".into(), |c| String::from_utf8_lossy(c).into_owned());
@@ -143,7 +143,10 @@ async fn run(args: Args) -> Result<(), String> {
         builder.transactional(pg, move |m: Message, tx, lease| {
             let insert = insert.clone();
             async move {
-                let payment = m.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                let payment = m
+                    .idempotency_key()
+                    .map(|k| k.id().to_owned())
+                    .unwrap_or_default();
                 sqlx::query(AssertSqlSafe(insert))
                     .bind(payment)
                     .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
@@ -160,7 +163,10 @@ async fn run(args: Args) -> Result<(), String> {
         builder.handler(move |m, ctx| {
             let (insert, pool) = (insert.clone(), pool.clone());
             async move {
-                let payment = m.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                let payment = m
+                    .idempotency_key()
+                    .map(|k| k.id().to_owned())
+                    .unwrap_or_default();
                 let token = ctx.map_or(0, |c| c.token());
                 sqlx::query(AssertSqlSafe(insert))
                     .bind(payment)

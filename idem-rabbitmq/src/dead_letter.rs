@@ -88,7 +88,7 @@ impl Letter<'_> {
         put(HEADER_REASON, self.reason.as_str());
         put(HEADER_ERROR, self.error);
         put(HEADER_ATTEMPTS, &self.attempts.to_string());
-        if let Some(key) = m.key() {
+        if let Some(key) = m.idempotency_key() {
             put(HEADER_KEY, &key.to_string());
             put(HEADER_NAMESPACE, key.namespace());
         }

@@ -246,7 +246,7 @@ impl Session {
     /// Publishes `msg`'s dead letter until the server confirms it.
     async fn dead(&self, msg: &Message, reason: Reason, error: &str, attempts: u32) -> Step {
         let s = &*self.settings;
-        tracing::warn!(queue = %s.queue, key = ?msg.key(), reason = reason.as_str(), error, "dead-lettering");
+        tracing::warn!(queue = %s.queue, key = ?msg.idempotency_key(), reason = reason.as_str(), error, "dead-lettering");
         let (exchange, routing_key, _) = s.dead_letters.target(&s.queue);
         let letter = Letter {
             message: msg,

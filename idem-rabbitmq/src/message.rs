@@ -83,7 +83,7 @@ impl Message {
     }
 
     /// The idempotency key, once the key source found one.
-    pub fn key(&self) -> Option<&Key> {
+    pub fn idempotency_key(&self) -> Option<&Key> {
         self.inner.key.as_ref()
     }
 

@@ -378,7 +378,10 @@ async fn in_flight_runs_keys_at_once_and_each_key_alone_in_order() {
         .handler(move |m, _| {
             let (effects, running, most, keys, overlaps, ran) = h.clone();
             async move {
-                let id = m.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                let id = m
+                    .idempotency_key()
+                    .map(|k| k.id().to_owned())
+                    .unwrap_or_default();
                 if !keys.lock().expect("lock").insert(id.clone()) {
                     overlaps.fetch_add(1, Ordering::SeqCst);
                 }

@@ -77,7 +77,10 @@ fn consumer(
             builder.transactional(pg.clone(), move |m, tx, _| {
                 let insert = insert.clone();
                 async move {
-                    let id = m.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                    let id = m
+                        .idempotency_key()
+                        .map(|k| k.id().to_owned())
+                        .unwrap_or_default();
                     sqlx::query(AssertSqlSafe(insert))
                         .bind(id)
                         .execute(&mut **tx)

@@ -47,7 +47,10 @@ fn consumer(
         .transactional(pg.clone(), move |msg, tx, lease| {
             let insert = insert.clone();
             async move {
-                let payment = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+                let payment = msg
+                    .idempotency_key()
+                    .map(|k| k.id().to_owned())
+                    .unwrap_or_default();
                 sqlx::query(AssertSqlSafe(insert))
                     .bind(payment)
                     .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))

@@ -100,7 +100,7 @@ impl Writer {
         let partition = m.partition().to_string();
         let offset = m.offset().to_string();
         let attempts = letter.attempts.to_string();
-        let key = m.key().map(|k| (k.to_string(), k.namespace()));
+        let key = m.idempotency_key().map(|k| (k.to_string(), k.namespace()));
         let mut headers = match dropped {
             None => m.headers_to_forward(),
             Some(_) => OwnedHeaders::new(),

@@ -150,7 +150,7 @@ impl Worker {
         };
         // A key runs in one handler of this process at a time, whatever the store says: a
         // lease taken over from a handler still running here is handed back unused.
-        let key = item.msg.key();
+        let key = item.msg.idempotency_key();
         let Some(runs) = key.and_then(|key| self.ctx.running.start(key)) else {
             tracing::debug!(parent: &item.span, "the key runs in another handler here: not started");
             self.release(lease).await;

@@ -304,7 +304,7 @@ impl Worker {
             topic = %self.state.topic,
             partition = self.state.partition,
             offset = msg.offset(),
-            key = msg.key().map(tracing::field::display),
+            key = msg.idempotency_key().map(tracing::field::display),
             outcome = tracing::field::Empty,
         );
         Item { msg, kind, span }
@@ -315,7 +315,7 @@ impl Worker {
     fn claim_of(&self, item: &Item) -> Option<Claim> {
         match &item.kind {
             Kind::Keyed(fingerprint) => {
-                let key = item.msg.key()?;
+                let key = item.msg.idempotency_key()?;
                 Some(self.engine.claim_with(key, *fingerprint))
             }
             _ => None,
@@ -329,7 +329,7 @@ impl Worker {
     async fn claim_chunk(&self, chunk: &[Item]) -> Result<Vec<Option<ClaimOutcome>>, Flow> {
         fn keyed(item: &Item) -> Option<&idem_core::Key> {
             match item.kind {
-                Kind::Keyed(..) => item.msg.key(),
+                Kind::Keyed(..) => item.msg.idempotency_key(),
                 _ => None,
             }
         }
@@ -581,7 +581,7 @@ impl Worker {
     /// The key that orders `item` among concurrent handlers, if any.
     fn lane_key<'a>(&self, item: &'a Item) -> Option<LaneKey<'a>> {
         match self.settings().order_by {
-            OrderBy::IdempotencyKey => item.msg.key().map(LaneKey::Id),
+            OrderBy::IdempotencyKey => item.msg.idempotency_key().map(LaneKey::Id),
             _ => item.msg.message_key().map(LaneKey::Message),
         }
     }

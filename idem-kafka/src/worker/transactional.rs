@@ -29,7 +29,7 @@ impl Worker {
             let mut runs = Vec::new();
             let keyed = chunk[start..]
                 .iter()
-                .take_while(|item| match (&item.kind, item.msg.key()) {
+                .take_while(|item| match (&item.kind, item.msg.idempotency_key()) {
                     (Kind::Keyed(..), Some(key)) => {
                         self.ctx.running.start(key).map(|r| runs.push(r)).is_some()
                     }

@@ -14,7 +14,7 @@ use super::Out;
 
 /// The payment id of a message: its idempotency key's id.
 pub fn payment(msg: &Message) -> Result<String, HandlerError> {
-    msg.key()
+    msg.idempotency_key()
         .map(|k| k.id().to_owned())
         .ok_or_else(|| HandlerError::permanent("no payment id"))
 }

@@ -620,7 +620,7 @@ impl Effects {
     + 'static {
         let effects = self.clone();
         move |msg, _| {
-            let id = msg.key().map_or("keyless", |k| k.id());
+            let id = msg.idempotency_key().map_or("keyless", |k| k.id());
             std::future::ready(Ok(effects.apply(id)))
         }
     }

@@ -188,7 +188,10 @@ pub fn is_poison(id: &str) -> bool {
 
 /// The payment id of a message, or the permanent failure of a poison payment.
 pub fn payment(msg: &idem_kafka::Message) -> Result<String, idem_core::HandlerError> {
-    let id = msg.key().map(|k| k.id().to_owned()).unwrap_or_default();
+    let id = msg
+        .idempotency_key()
+        .map(|k| k.id().to_owned())
+        .unwrap_or_default();
     if is_poison(&id) {
         return Err(idem_core::HandlerError::permanent("card declined"));
     }

@@ -256,7 +256,7 @@ impl Probe for Watch {
         }
         match point {
             Point::AfterAck => {
-                let id = m.key().map_or_else(
+                let id = m.idempotency_key().map_or_else(
                     || String::from_utf8_lossy(m.payload()).into_owned(),
                     |k| k.id().to_owned(),
                 );
@@ -282,7 +282,7 @@ pub struct Effects(Arc<Mutex<HashMap<String, u32>>>);
 
 impl Effects {
     pub fn record(&self, m: &Message) {
-        let id = m.key().map_or_else(
+        let id = m.idempotency_key().map_or_else(
             || String::from_utf8_lossy(m.payload()).into_owned(),
             |k| k.id().to_owned(),
         );
