@@ -154,9 +154,18 @@ pub struct ListArgs {
     #[arg(long, short = 's', value_enum)]
     pub state: Option<StateArg>,
     /// Only Processing records whose lease has lapsed (a worker died or stalled).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "poisoned")]
     pub stuck: bool,
-    /// At most this many records (0: all).
+    /// Only poisoned keys: Failed records whose failure was permanent, or whose attempts
+    /// reached --max-attempts. Claims of them answer Poisoned; their messages were
+    /// dead-lettered.
+    #[arg(long)]
+    pub poisoned: bool,
+    /// With --poisoned: the consumers' `max_attempts` (a record keeps its attempts, not
+    /// the limit it was claimed under).
+    #[arg(long, default_value_t = 5, requires = "poisoned")]
+    pub max_attempts: u32,
+    /// At most this many records (0: all); a listing cut short says so.
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
     /// Print JSON instead of a table.

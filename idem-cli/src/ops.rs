@@ -57,6 +57,11 @@ pub async fn list(args: &ListArgs) -> Result<()> {
             "--stuck lists processing records; it cannot go with another --state".into(),
         ));
     }
+    if args.poisoned && args.state.is_some_and(|s| s != StateArg::Failed) {
+        return Err(Error::Refused(
+            "--poisoned lists failed records; it cannot go with another --state".into(),
+        ));
+    }
     let (target, store) = open(&args.backend.backend).await?;
     let backend = store.backend();
     if !backend.capabilities().list {
@@ -65,25 +70,44 @@ pub async fn list(args: &ListArgs) -> Result<()> {
             target.kind()
         )));
     }
+    // --stuck and --poisoned filter here, so the store lists every record of the state;
+    // otherwise it is asked for one more than the limit, to tell a cut listing.
+    let here = args.stuck || args.poisoned;
     let filter = ListFilter {
         namespace: args.namespace.clone(),
         state: if args.stuck {
             Some(State::Processing)
+        } else if args.poisoned {
+            Some(State::Failed)
         } else {
             args.state.map(State::from)
         },
-        limit: if args.stuck { 0 } else { args.limit },
+        limit: if here || args.limit == 0 {
+            0
+        } else {
+            args.limit.saturating_add(1)
+        },
     };
     let mut records = backend.list(&filter).await.store("list records")?;
     let now = Timestamp::now();
     if args.stuck {
         records.retain(|r| !machine::lease_is_live(r, now));
     }
-    records.sort_by(|a, b| a.key.cmp(&b.key));
-    if args.limit > 0 {
-        records.truncate(args.limit);
+    if args.poisoned {
+        records.retain(|r| r.permanent || r.attempts >= args.max_attempts);
     }
+    records.sort_by(|a, b| a.key.cmp(&b.key));
+    let cut = args.limit > 0 && records.len() > args.limit;
+    records.truncate(if args.limit > 0 {
+        args.limit
+    } else {
+        records.len()
+    });
+    let more = "more match: raise --limit (0 lists all)";
     if args.json {
+        if cut {
+            eprintln!("idem: {} record(s) shown; {more}", records.len());
+        }
         let views: Vec<RecordView> = records.iter().map(|r| RecordView::new(r, now)).collect();
         return print_json(&views);
     }
@@ -91,7 +115,11 @@ pub async fn list(args: &ListArgs) -> Result<()> {
         out!("no records match");
     } else {
         out!("{}", records_table(&records, now));
-        out!("{} record(s)", records.len());
+        if cut {
+            out!("{} record(s) shown; {more}", records.len());
+        } else {
+            out!("{} record(s)", records.len());
+        }
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use assert_cmd::cargo::cargo_bin_cmd;
 use bytes::Bytes;
 use idem_core::backend::{Claim, ClaimOutcome};
-use idem_core::{Backend, ClaimKind, Key, Lease, State};
+use idem_core::{Backend, ClaimKind, FailureKind, Key, Lease, State};
 
 /// Runs `idem` with `args`, no stdin, and returns what it did.
 pub fn idem(args: &[&str]) -> Output {
@@ -198,6 +198,48 @@ pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: 
     }
     let err = fails(&["list", "-b", url, "--state", "failed", "--stuck"], 1);
     assert!(err.contains("--stuck"), "{err}");
+
+    // list --poisoned: a permanent failure always; a retryable one once its attempts
+    // reach --max-attempts. And a listing cut by --limit says so.
+    let bad = key("bad");
+    let l = acquire(b, &bad, "worker-1", long).await;
+    b.fail(&l, "card refused", FailureKind::Permanent, long)
+        .await
+        .expect("fail");
+    let spent = key("spent");
+    let l = acquire(b, &spent, "worker-1", long).await;
+    b.fail(&l, "timeout", FailureKind::Retry, long)
+        .await
+        .expect("fail");
+    let poisoned = |more: &[&str]| {
+        let args = [
+            &["list", "-b", url, "-n", namespace, "--poisoned", "--json"],
+            more,
+        ]
+        .concat();
+        let rows: serde_json::Value = serde_json::from_str(&ok(&args)).expect("list JSON");
+        let mut ids: Vec<String> = rows
+            .as_array()
+            .expect("array")
+            .iter()
+            .filter_map(|r| r["id"].as_str().map(str::to_owned))
+            .collect();
+        ids.sort();
+        ids
+    };
+    if b.capabilities().list {
+        assert_eq!(poisoned(&[]), ["bad"]);
+        assert_eq!(poisoned(&["--max-attempts", "1"]), ["bad", "spent"]);
+        let cut = ok(&["list", "-b", url, "-n", namespace, "--limit", "1"]);
+        assert!(cut.contains("1 record(s) shown; more match"), "{cut}");
+        let whole = ok(&["list", "-b", url, "-n", namespace, "--limit", "0"]);
+        assert!(!whole.contains("more match"), "{whole}");
+    }
+    let err = fails(
+        &["list", "-b", url, "--poisoned", "--state", "completed"],
+        1,
+    );
+    assert!(err.contains("--poisoned"), "{err}");
 
     // purge: refused without --yes, then runs.
     let err = fails(&["purge", "-b", url], 2);
