@@ -50,7 +50,7 @@ fn bench_writes_json_and_svg_with_real_numbers() {
         "postgres: INSERT … ON CONFLICT DO NOTHING, then UPDATE",
         "redis: SET NX PX, then SET PX",
         "dynamodb: conditional PutItem, then UpdateItem",
-        "memory: HashMap insert, then HashMap overwrite",
+        "memory: sharded HashMap insert, then sharded HashMap overwrite",
         "postgres: INSERT … ON CONFLICT DO NOTHING;",
         "redis: SET NX PX;",
         "dynamodb: conditional PutItem\n",

@@ -137,17 +137,11 @@ pub fn claim_of(key: &Key, owner: &str, lease: Duration) -> Claim {
     }
 }
 
-/// The value of the environment variable `var` (such as `IDEM_REDIS_URL`), or a panic that
-/// names the command starting the test services: a test whose service is not configured
-/// fails, it never passes silently.
+/// The value of the environment variable `var` (such as `MY_STORE_URL`), or a panic that
+/// says how to set it ([`idem_core::backend::driver::service_url`]'s message): a test
+/// whose service is not configured fails, it never passes silently.
 pub fn service_env(var: &str) -> String {
-    match std::env::var(var) {
-        Ok(value) if !value.trim().is_empty() => value,
-        _ => panic!(
-            "{var} is not set: start the test services with `eval \"$(scripts/services up)\"` \
-             (scripts/test does this for you)"
-        ),
-    }
+    idem_core::backend::driver::service_url(var).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// How long one case may run before [`bounded`] fails it: `IDEM_CONFORMANCE_CASE_SECS`

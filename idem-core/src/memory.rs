@@ -59,6 +59,9 @@ impl Default for MemoryBackend {
 }
 
 impl MemoryBackend {
+    /// How many shards the records are spread over (by key hash), each under its own lock.
+    pub(crate) const SHARDS: usize = 64;
+
     /// An empty backend on the system clock, with 64 shards.
     pub fn new() -> Self {
         Self::with_clock(SystemClock)
@@ -67,7 +70,9 @@ impl MemoryBackend {
     /// An empty backend reading time from `clock`.
     pub fn with_clock(clock: impl Clock) -> Self {
         let hasher = Hasher::default();
-        let shards: Vec<Shard> = (0..64).map(|_| Mutex::new(HashTable::new())).collect();
+        let shards: Vec<Shard> = (0..Self::SHARDS)
+            .map(|_| Mutex::new(HashTable::new()))
+            .collect();
         MemoryBackend {
             shards: shards.into(),
             hasher,

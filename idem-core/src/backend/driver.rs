@@ -6,7 +6,9 @@
 //! benches iterate them, so adding a backend is its crate, a facade feature and one
 //! registration line.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -127,14 +129,16 @@ pub trait RawWrite: Send + Sync {
     async fn settle(&self, keys: &[String], value: &Bytes) -> Result<()>;
 }
 
-/// The environment variable `var`, or [`Error::Config`] naming it and the command that
-/// starts the test services.
+/// The environment variable `var`, or [`Error::Config`] naming it and how to set it: in
+/// the idem repository, the command that starts the test services; elsewhere, the URL of
+/// a server of your own.
 pub fn service_url(var: &str) -> Result<String> {
     match std::env::var(var) {
         Ok(value) if !value.trim().is_empty() => Ok(value),
         _ => Err(Error::config(format!(
-            "{var} is not set: start the test services with `eval \"$(scripts/services up)\"` \
-             (scripts/test does this for you)"
+            "{var} is not set: set it to the URL of a test server (in the idem repository, \
+             `eval \"$(scripts/services up)\"` starts them and sets it; scripts/test does \
+             this for you)"
         ))),
     }
 }
@@ -261,34 +265,55 @@ impl Store for MemoryStore {
     }
 }
 
-/// The memory baseline: a plain map insert, or overwrite, under one lock.
-#[derive(Default)]
+/// The memory baseline: a plain map insert, or overwrite, under the lock of the key's
+/// shard, with as many shards as `MemoryBackend` has, so that the ratio compares the
+/// records' work and not one lock against 64.
 struct MapInsert {
-    map: Mutex<std::collections::HashMap<String, Bytes>>,
+    shards: Vec<Mutex<HashMap<String, Bytes>>>,
+    hasher: RandomState,
+}
+
+impl Default for MapInsert {
+    fn default() -> Self {
+        MapInsert {
+            shards: (0..MemoryBackend::SHARDS)
+                .map(|_| Mutex::default())
+                .collect(),
+            hasher: RandomState::new(),
+        }
+    }
+}
+
+impl MapInsert {
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Bytes>> {
+        let at = self.hasher.hash_one(key) as usize % self.shards.len();
+        self.shards[at].lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 #[async_trait]
 impl RawWrite for MapInsert {
     fn name(&self) -> &'static str {
-        "HashMap insert"
+        "sharded HashMap insert"
     }
     fn settle_name(&self) -> &'static str {
-        "HashMap overwrite"
+        "sharded HashMap overwrite"
     }
     async fn insert(&self, keys: &[String], value: &Bytes) -> Result<()> {
-        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         for k in keys {
-            map.entry(k.clone()).or_insert_with(|| value.clone());
+            self.shard(k)
+                .entry(k.clone())
+                .or_insert_with(|| value.clone());
         }
         Ok(())
     }
     async fn settle(&self, keys: &[String], value: &Bytes) -> Result<()> {
-        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         for k in keys {
-            match map.get_mut(k) {
+            let mut shard = self.shard(k);
+            match shard.get_mut(k) {
                 Some(slot) => *slot = value.clone(),
                 None => {
-                    map.insert(k.clone(), value.clone());
+                    shard.insert(k.clone(), value.clone());
                 }
             }
         }
@@ -334,7 +359,7 @@ mod tests {
         let (first, second) = (Bytes::from_static(b"1"), Bytes::from_static(b"2"));
         raw.insert(&keys, &first).await.unwrap();
         raw.insert(&keys[..1], &second).await.unwrap();
-        let get = |k: &str| raw.map.lock().unwrap().get(k).cloned();
+        let get = |k: &str| raw.shard(k).get(k).cloned();
         assert_eq!(get("a"), Some(first.clone()));
         raw.settle(&keys, &second).await.unwrap();
         assert_eq!((get("a"), get("b")), (Some(second.clone()), Some(second)));
