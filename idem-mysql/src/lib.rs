@@ -17,4 +17,8 @@ pub use backend::{MySqlBackend, SESSION};
 pub use config::MySqlConfig;
 pub use driver::{DRIVER, MySqlDriver};
 pub use idem_core::backend::{OffsetPosition, StoredOffset};
+/// The sqlx this crate is built on, for a transactional handler's queries: its
+/// transaction type is sqlx's, so your queries need the same version with the same
+/// features, which this re-export is.
+pub use sqlx;
 pub use transactional::MySqlTransaction;
