@@ -156,9 +156,9 @@ pub struct ListArgs {
     /// Only Processing records whose lease has lapsed (a worker died or stalled).
     #[arg(long, conflicts_with = "poisoned")]
     pub stuck: bool,
-    /// Only poisoned keys: Failed records whose failure was permanent, or whose attempts
-    /// reached --max-attempts. Claims of them answer Poisoned; their messages were
-    /// dead-lettered.
+    /// Only poisoned keys, which claims answer Poisoned (their messages were
+    /// dead-lettered): a permanent failure, or attempts at --max-attempts on a Failed
+    /// record or a lapsed lease.
     #[arg(long)]
     pub poisoned: bool,
     /// With --poisoned: the consumers' `max_attempts` (a record keeps its attempts, not

@@ -57,9 +57,9 @@ pub async fn list(args: &ListArgs) -> Result<()> {
             "--stuck lists processing records; it cannot go with another --state".into(),
         ));
     }
-    if args.poisoned && args.state.is_some_and(|s| s != StateArg::Failed) {
+    if args.poisoned && args.state.is_some() {
         return Err(Error::Refused(
-            "--poisoned lists failed records; it cannot go with another --state".into(),
+            "--poisoned picks failed and lapsed records itself; it cannot go with --state".into(),
         ));
     }
     let (target, store) = open(&args.backend.backend).await?;
@@ -78,7 +78,7 @@ pub async fn list(args: &ListArgs) -> Result<()> {
         state: if args.stuck {
             Some(State::Processing)
         } else if args.poisoned {
-            Some(State::Failed)
+            None
         } else {
             args.state.map(State::from)
         },
@@ -94,7 +94,14 @@ pub async fn list(args: &ListArgs) -> Result<()> {
         records.retain(|r| !machine::lease_is_live(r, now));
     }
     if args.poisoned {
-        records.retain(|r| r.permanent || r.attempts >= args.max_attempts);
+        // What a claim answers `Poisoned` (`machine::claim`): a permanent failure, or
+        // attempts spent on a failure or on a lapsed lease.
+        let spent = |r: &Record| r.attempts >= args.max_attempts;
+        records.retain(|r| match r.state {
+            State::Failed => r.permanent || spent(r),
+            State::Processing => spent(r) && !machine::lease_is_live(r, now),
+            State::Completed => false,
+        });
     }
     records.sort_by(|a, b| a.key.cmp(&b.key));
     let cut = args.limit > 0 && records.len() > args.limit;

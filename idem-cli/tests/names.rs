@@ -1,7 +1,7 @@
 //! Every text that introduces idem to a user (the READMEs' openings, the crate
-//! descriptions, the contract's opening, `idem --help`, `idem migrate --help`) names every store of the registry
-//! and every broker binding of the facade, so that a backend or binding added later cannot
-//! be left out of one of them.
+//! descriptions, the contract's opening, `idem --help`, `idem migrate --help`) names every
+//! store of the registry and every broker binding of the facade, so that a backend or
+//! binding added later cannot be left out of one of them.
 
 use std::path::Path;
 use std::process::Command;

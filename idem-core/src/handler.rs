@@ -107,9 +107,10 @@ pub fn panic_text(payload: &(dyn Any + Send)) -> &str {
 
 /// A handler's failure: retryable (the default for any `?`-converted error) or permanent.
 ///
-/// Any [`std::error::Error`] converts into it with `?` (a retryable failure, the error kept
+/// Any `Send + Sync + 'static` [`std::error::Error`] converts into it with `?` (a
+/// retryable failure, the error kept
 /// as its [`source`](HandlerError::source)), and so do `anyhow::Error`, `eyre::Report` and
-/// `Box<dyn Error>` through [`retry_from`](HandlerError::retry_from) or
+/// `Box<dyn Error + Send + Sync>` through [`retry_from`](HandlerError::retry_from) or
 /// [`permanent_from`](HandlerError::permanent_from). For that `?` to work it is not itself
 /// a `std::error::Error` (as `anyhow::Error` is not): [`into_boxed`](HandlerError::into_boxed)
 /// gives one, with the cause as its source. The record stores the text only.

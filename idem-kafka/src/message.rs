@@ -126,7 +126,8 @@ impl Message {
         self
     }
 
-    /// The idempotency key (not the broker's message key: that is `message_key`), or `None` for a message processed without one (see
+    /// The idempotency key (not the Kafka key: that is [`message_key`](Message::message_key)),
+    /// or `None` for a message processed without one (see
     /// [`MissingKey::Process`](crate::MissingKey::Process)).
     pub fn idempotency_key(&self) -> Option<&Key> {
         self.inner.key.as_ref()

@@ -68,9 +68,8 @@ async fn a_backlog_of_large_messages_stays_within_the_byte_bound() {
     let group = unique("g");
     let dlq = format!("{topic}.dlq");
     create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
-    let example = idem_conformance::process::build_example(
+    let example = idem_conformance::process::build_workspace_example(
         concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
-        "idem-kafka",
         "backlog",
     );
     let began = std::time::Instant::now();

@@ -597,9 +597,8 @@ async fn scenario_with(mode: Mode, sql: Sql, schedule: Schedule) -> Figures {
     let group = common::unique("sigkill-group");
     let dlq = format!("{topic}.dlq");
     common::create_topics(&brokers, &[(&topic, PARTITIONS), (&dlq, 1)]).await;
-    let example = idem_conformance::process::build_example(
+    let example = idem_conformance::process::build_workspace_example(
         concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
-        "idem-kafka",
         "worker",
     );
     // The store, as the workers reach it (`--store`) and as this test reads it.

@@ -186,7 +186,7 @@ impl fmt::Debug for Message {
             .field("queue", &i.queue)
             .field("delivery_tag", &i.delivery_tag)
             .field("redelivered", &i.redelivered)
-            .field("key", &i.key)
+            .field("idempotency_key", &i.key)
             .field("payload_len", &i.payload.len())
             .finish()
     }

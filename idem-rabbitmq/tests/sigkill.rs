@@ -104,9 +104,8 @@ async fn killed_workers(mode: &'static str) {
                 .await;
         }
     }
-    let example = idem_conformance::process::build_example(
+    let example = idem_conformance::process::build_workspace_example(
         concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
-        "idem-rabbitmq",
         // Not `worker`: idem-kafka has an example of that name, and both would be built
         // to `target/debug/examples/worker`, so one SIGKILL test could start the other's.
         "rabbitmq_worker",

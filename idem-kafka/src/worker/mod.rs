@@ -91,7 +91,7 @@ struct Item {
 
 enum Kind {
     /// The payload's fingerprint, hashed as the batch is keyed (the key is the message's,
-    /// [`Message::key`]); the claim is built where it is sent ([`Worker::claim_of`]), so
+    /// [`Message::idempotency_key`]); the claim is built where it is sent ([`Worker::claim_of`]), so
     /// no copy of it is kept.
     Keyed(Option<idem_core::Fingerprint>),
     Unkeyed,
