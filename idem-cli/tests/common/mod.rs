@@ -199,8 +199,8 @@ pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: 
     let err = fails(&["list", "-b", url, "--state", "failed", "--stuck"], 1);
     assert!(err.contains("--stuck"), "{err}");
 
-    // list --poisoned: a permanent failure always; a retryable one once its attempts
-    // reach --max-attempts. And a listing cut by --limit says so.
+    // list --poisoned: a permanent failure always; a retryable failure or a lapsed lease
+    // once its attempts reach --max-attempts. And a listing cut by --limit says so.
     let bad = key("bad");
     let l = acquire(b, &bad, "worker-1", long).await;
     b.fail(&l, "card refused", FailureKind::Permanent, long)
@@ -229,7 +229,9 @@ pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: 
     };
     if b.capabilities().list {
         assert_eq!(poisoned(&[]), ["bad"]);
-        assert_eq!(poisoned(&["--max-attempts", "1"]), ["bad", "spent"]);
+        // At one attempt, the retryable failure and the lapsed lease are spent too.
+        let spent_too = poisoned(&["--max-attempts", "1"]);
+        assert_eq!(spent_too, ["bad", "spent", "stuck"]);
         let cut = ok(&["list", "-b", url, "-n", namespace, "--limit", "1"]);
         assert!(cut.contains("1 record(s) shown; more match"), "{cut}");
         let whole = ok(&["list", "-b", url, "-n", namespace, "--limit", "0"]);
