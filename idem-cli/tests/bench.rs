@@ -230,3 +230,45 @@ fn markdown_prints_one_table_that_says_where_it_comes_from() {
     );
     assert!(out.path().join("bench.md").exists());
 }
+
+/// Every store is opened before any is measured: a store that cannot be reached, listed
+/// last, fails the bench before the first store ran, and no report is written.
+#[test]
+fn an_unreachable_store_fails_before_any_measurement() {
+    // A port nothing listens on: bound, then released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let out = tempfile::tempdir().expect("temp dir");
+    let dir = out.path().to_str().expect("utf-8 path");
+    let unreachable = format!("redis://127.0.0.1:{port}/");
+    let began = std::time::Instant::now();
+    let err = common::fails(
+        &[
+            "bench",
+            "-b",
+            "memory:",
+            "-b",
+            &unreachable,
+            "--duration",
+            "5s",
+            "--out",
+            dir,
+            "--quiet",
+        ],
+        1,
+    );
+    assert!(err.contains("redis"), "{err}");
+    // Not a speed check: measured first, memory alone takes 4 workloads × 6 cells × 5 s,
+    // so a bench that ran it before opening Redis cannot end within a minute.
+    assert!(
+        began.elapsed() < std::time::Duration::from_secs(60),
+        "{:?}",
+        began.elapsed()
+    );
+    assert!(
+        !out.path().join("bench.json").exists(),
+        "a report was written"
+    );
+}

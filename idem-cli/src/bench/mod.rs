@@ -51,31 +51,49 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
     let cells_per = args.concurrency.len() * args.batch.len() * (1 + usize::from(args.coalesce));
     let bar = progress(args.quiet, (targets.len() * cells_per * WORKLOADS) as u64);
     let workers = args.concurrency.iter().copied().max().unwrap_or(1);
-    let mut cells = Vec::new();
+    // Every store is opened before any is measured, so a bad or unreachable URL fails at
+    // once, not after the stores before it ran.
+    let mut subjects = Vec::with_capacity(targets.len());
     for target in &targets {
         bar.set_message(format!("{}: setting up", target.kind()));
-        let subject = Subject::open(target, &tag, workers)
-            .await
-            .map_err(|e| e.within(target.kind()))?;
-        let mut run = bench_one(&subject, args, &bar, &mut cells).await;
+        match Subject::open(target, &tag, workers).await {
+            Ok(subject) => subjects.push(subject),
+            Err(e) => {
+                close_all(subjects).await;
+                return Err(e.within(target.kind()));
+            }
+        }
+    }
+    let mut cells = Vec::new();
+    let mut failed = None;
+    for subject in &subjects {
+        let mut run = bench_one(subject, args, &bar, &mut cells).await;
         if run.is_ok() && args.coalesce {
             run = bench_one(&subject.coalesced(), args, &bar, &mut cells).await;
         }
-        let closed = subject.close().await;
-        run?;
-        closed?;
+        if let Err(e) = run {
+            failed = Some(e);
+            break;
+        }
     }
+    let closed = close_all(subjects).await;
     bar.finish_and_clear();
+    // A run that failed part way still writes what it measured, then reports the failure.
+    if let Some(e) = failed {
+        if !cells.is_empty() {
+            let report = Report::new(args, provenance::Provenance::here(), cells);
+            let written = report.write(&args.out)?;
+            eprintln!(
+                "idem: kept the cells measured before the failure: {}",
+                shown(&written)
+            );
+        }
+        return Err(e);
+    }
+    closed?;
     let report = Report::new(args, provenance::Provenance::here(), cells);
     let written = report.write(&args.out)?;
-    let wrote = format!(
-        "wrote {}",
-        written
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let wrote = format!("wrote {}", shown(&written));
     if args.markdown {
         // stdout is the Markdown alone, to paste as it is.
         out!("{}", report.markdown());
@@ -85,6 +103,24 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
         out!("{wrote}");
     }
     Ok(())
+}
+
+/// Closes every subject, each even if another fails; the first failure.
+async fn close_all(subjects: Vec<Subject>) -> Result<()> {
+    let mut first = Ok(());
+    for subject in subjects {
+        let closed = subject.close().await;
+        if first.is_ok() {
+            first = closed;
+        }
+    }
+    first
+}
+
+/// The files a report went to, for a line of output.
+fn shown(paths: &[std::path::PathBuf]) -> String {
+    let names: Vec<_> = paths.iter().map(|p| p.display().to_string()).collect();
+    names.join(", ")
 }
 
 fn check(args: &BenchArgs) -> Result<()> {
