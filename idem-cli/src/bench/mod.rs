@@ -59,7 +59,9 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
         match Subject::open(target, &tag, workers).await {
             Ok(subject) => subjects.push(subject),
             Err(e) => {
-                close_all(subjects).await;
+                // The store that could not be opened is the error to report; the others
+                // are closed as well as they can be.
+                let _ = close_all(subjects).await;
                 return Err(e.within(target.kind()));
             }
         }
