@@ -94,14 +94,7 @@ pub async fn list(args: &ListArgs) -> Result<()> {
         records.retain(|r| !machine::lease_is_live(r, now));
     }
     if args.poisoned {
-        // What a claim answers `Poisoned` (`machine::claim`): a permanent failure, or
-        // attempts spent on a failure or on a lapsed lease.
-        let spent = |r: &Record| r.attempts >= args.max_attempts;
-        records.retain(|r| match r.state {
-            State::Failed => r.permanent || spent(r),
-            State::Processing => spent(r) && !machine::lease_is_live(r, now),
-            State::Completed => false,
-        });
+        records.retain(|r| machine::is_poisoned(r, args.max_attempts, now));
     }
     records.sort_by(|a, b| a.key.cmp(&b.key));
     let cut = args.limit > 0 && records.len() > args.limit;

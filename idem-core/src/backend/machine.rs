@@ -27,6 +27,17 @@ pub fn lease_is_live(record: &Record, now: Timestamp) -> bool {
     record.state == State::Processing && record.lease_until.is_some_and(|until| now < until)
 }
 
+/// Whether a claim of `record` with `max_attempts` answers `Poisoned` at `now`: a
+/// permanent failure, or attempts spent on a failure or on a lease that lapsed.
+pub fn is_poisoned(record: &Record, max_attempts: u32, now: Timestamp) -> bool {
+    let spent = record.attempts >= max_attempts.max(1);
+    match record.state {
+        State::Failed => record.permanent || spent,
+        State::Processing => spent && !lease_is_live(record, now),
+        State::Completed => false,
+    }
+}
+
 /// The answer to `claim` against `current`, and the record to write (`None`: unchanged).
 pub fn claim(
     current: Option<&Record>,
@@ -48,7 +59,7 @@ pub fn claim(
             ClaimOutcome::Completed(rec.response.clone().unwrap_or_default()),
             None,
         ),
-        State::Failed if rec.permanent || rec.attempts >= max => (poisoned(rec), None),
+        State::Failed if is_poisoned(rec, max, now) => (poisoned(rec), None),
         State::Failed => grant(Some(rec), claim, ClaimKind::Retry, now),
         State::Processing if lease_is_live(rec, now) => (
             ClaimOutcome::InProgress {
@@ -57,7 +68,7 @@ pub fn claim(
             },
             None,
         ),
-        State::Processing if rec.attempts >= max => {
+        State::Processing if is_poisoned(rec, max, now) => {
             let spent = Record {
                 state: State::Failed,
                 lease_until: None,
