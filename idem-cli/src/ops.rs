@@ -98,11 +98,9 @@ pub async fn list(args: &ListArgs) -> Result<()> {
     }
     records.sort_by(|a, b| a.key.cmp(&b.key));
     let cut = args.limit > 0 && records.len() > args.limit;
-    records.truncate(if args.limit > 0 {
-        args.limit
-    } else {
-        records.len()
-    });
+    if cut {
+        records.truncate(args.limit);
+    }
     let more = "more match: raise --limit (0 lists all)";
     if args.json {
         if cut {

@@ -81,20 +81,19 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
     let closed = close_all(subjects).await;
     bar.finish_and_clear();
     // A run that failed part way still writes what it measured, then reports the failure.
+    if let (Some(e), true) = (failed.take(), cells.is_empty()) {
+        return Err(e);
+    }
+    let report = Report::new(args, provenance::Provenance::here(), cells);
+    let written = report.write(&args.out)?;
     if let Some(e) = failed {
-        if !cells.is_empty() {
-            let report = Report::new(args, provenance::Provenance::here(), cells);
-            let written = report.write(&args.out)?;
-            eprintln!(
-                "idem: kept the cells measured before the failure: {}",
-                shown(&written)
-            );
-        }
+        eprintln!(
+            "idem: kept the cells measured before the failure: {}",
+            shown(&written)
+        );
         return Err(e);
     }
     closed?;
-    let report = Report::new(args, provenance::Provenance::here(), cells);
-    let written = report.write(&args.out)?;
     let wrote = format!("wrote {}", shown(&written));
     if args.markdown {
         // stdout is the Markdown alone, to paste as it is.
