@@ -169,9 +169,33 @@ impl PgBackend {
         &self.pool
     }
 
-    /// Creates the schema and runs the migrations in `migrations/` (idempotent).
+    /// Creates the schema and runs the migrations in `migrations/` (idempotent). Safe to
+    /// call from several processes at once, as replicas starting together do: a session
+    /// advisory lock on the schema's name makes them migrate one after another (`CREATE
+    /// SCHEMA IF NOT EXISTS` alone races: two sessions can both find it absent, and one
+    /// fails on the catalog's unique index).
     pub async fn migrate(&self) -> Result<()> {
         let mut conn = self.pool.acquire().await.map_err(|e| map("migrate", e))?;
+        let lock = format!(
+            "SELECT pg_advisory_lock(hashtext('idem.migrate.{}'))",
+            self.schema
+        );
+        sqlx::query(AssertSqlSafe(lock))
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| map("migrate", e))?;
+        let migrated = self.migrate_locked(&mut conn).await;
+        let unlock = format!(
+            "SELECT pg_advisory_unlock(hashtext('idem.migrate.{}'))",
+            self.schema
+        );
+        let unlocked = sqlx::query(AssertSqlSafe(unlock)).execute(&mut *conn).await;
+        migrated?;
+        unlocked.map_err(|e| map("migrate", e))?;
+        Ok(())
+    }
+
+    async fn migrate_locked(&self, conn: &mut sqlx::PgConnection) -> Result<()> {
         let create = format!("CREATE SCHEMA IF NOT EXISTS {}", self.schema);
         let path = format!("SET search_path TO {}", self.schema);
         for stmt in [create, path] {
