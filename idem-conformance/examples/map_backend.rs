@@ -1,28 +1,34 @@
-//! A backend of this crate's own, written against idem's public API only: the records in
-//! one `BTreeMap` under one lock, each operation the state machine's transition
-//! (`idem_once::backend::machine`) applied under it. Small on purpose; what makes it
-//! correct is the published conformance suite (`tests/conformance.rs`).
+//! A complete backend of its own, written against idem's public API only, proving itself
+//! with the published suite: what a backend in another repository writes. The records live
+//! in one `BTreeMap` under one lock, and each operation applies the state machine's
+//! transition (`idem_core::backend::machine`) under it; what makes it correct is the
+//! suite at the bottom of this file.
+//!
+//! `cargo test -p idem-conformance --example map_backend` runs every case on it. With
+//! `IDEM_CONFORMANCE_BREAK=1` the backend grants every claim as if the key were new, and
+//! the suite fails it, naming the invariants it breaks.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use idem_once::clock::Clock;
-use idem_once::backend::{
+use idem_core::backend::{
     Capabilities, Claim, ClaimOutcome, Settlement, async_trait, check_response, machine,
 };
-use idem_once::{Backend, Error, Key, Lease, Record, Result, Timestamp};
+use idem_core::clock::{Clock, ManualClock};
+use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
+use idem_conformance::{Factory, Fixture};
 
 /// Records in a map under one lock, on an injectable clock.
 #[derive(Clone)]
-pub struct MapBackend {
+struct MapBackend {
     records: Arc<Mutex<BTreeMap<Key, Record>>>,
     clock: Arc<dyn Clock>,
 }
 
 impl MapBackend {
     /// An empty backend reading time from `clock`.
-    pub fn new(clock: impl Clock) -> Self {
+    fn new(clock: impl Clock) -> Self {
         MapBackend {
             records: Arc::default(),
             clock: Arc::new(clock),
@@ -54,7 +60,7 @@ impl Backend for MapBackend {
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome> {
         let now = self.clock.now();
         let mut records = self.records();
-        let current = if cfg!(feature = "broken") {
+        let current = if std::env::var_os("IDEM_CONFORMANCE_BREAK").is_some() {
             None // the defect: every claim is granted as if the key were new
         } else {
             records.get(&claim.key)
@@ -126,4 +132,24 @@ impl Backend for MapBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
     }
+}
+
+/// Makes a fresh, isolated backend for each case, on a clock the suite moves itself.
+struct Map;
+
+impl Factory for Map {
+    type Backend = MapBackend;
+    async fn setup(&self) -> Fixture<MapBackend> {
+        let clock = ManualClock::new(Timestamp::from_millis(1_700_000_000_000));
+        Fixture::manual(MapBackend::new(clock.clone()), clock)
+    }
+}
+
+// One #[tokio::test] per case.
+idem_conformance::suite!(Map);
+
+/// Run as tests, not as a program.
+#[cfg(not(test))]
+fn main() {
+    eprintln!("the cases are tests: cargo test -p idem-conformance --example map_backend");
 }
