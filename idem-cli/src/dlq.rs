@@ -41,7 +41,7 @@ fn client_config(args: &KafkaArgs) -> Result<ClientConfig> {
                 config.set(k.trim(), v.trim());
             }
             _ => {
-                return Err(Error::Refused(format!(
+                return Err(Error::Usage(format!(
                     "-X {kv:?}: write a librdkafka property as KEY=VALUE"
                 )));
             }
@@ -62,7 +62,7 @@ fn selection(args: &LetterArgs) -> Result<Selection> {
     if let (Some(from), Some(to)) = (args.from_offset, args.to_offset)
         && from > to
     {
-        return Err(Error::Refused(format!(
+        return Err(Error::Usage(format!(
             "--from-offset {from} is after --to-offset {to}: nothing to select"
         )));
     }
@@ -191,11 +191,11 @@ fn check_replay(args: &DlqReplayArgs) -> Result<()> {
         || l.to_offset.is_some()
         || l.reason.is_some();
     match (args.all, selected) {
-        (false, false) => Err(Error::Refused(
+        (false, false) => Err(Error::Usage(
             "select letters (--partition, --from-offset, --to-offset, --reason) or pass --all"
                 .into(),
         )),
-        (true, true) => Err(Error::Refused(
+        (true, true) => Err(Error::Usage(
             "--all replays every letter: it cannot go with a selection".into(),
         )),
         _ => Ok(()),
@@ -207,7 +207,7 @@ async fn replay(args: &DlqReplayArgs) -> Result<()> {
     check_replay(args)?;
     let (target, store) = open(&args.backend.backend).await?;
     if target.kind() == "memory" {
-        return Err(Error::Refused(
+        return Err(Error::Usage(
             "replay needs the consumer's store (it remembers each replay there, and --reset \
              deletes records there); memory: lives only in this process"
                 .into(),

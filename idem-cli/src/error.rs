@@ -31,8 +31,20 @@ pub enum Error {
         /// Why no confirmation was had.
         why: &'static str,
     },
-    /// The command's arguments do not make sense together, or the record is not in a
-    /// state the command acts on.
+    /// The command's arguments do not make sense together, or one of them is not valid
+    /// (a key, a number out of range): a usage error, as clap's own.
+    #[error("{0}")]
+    Usage(String),
+    /// There is no record for the key the command is about.
+    #[error("no record for {key} (never claimed, deleted, or expired){then}")]
+    NotFound {
+        /// The key.
+        key: String,
+        /// What follows for the command (`: nothing to release`), or nothing.
+        then: &'static str,
+    },
+    /// The store or the record refused what the command asked (the record is not in a
+    /// state the command acts on, the store cannot do it), or something it needs failed.
     #[error("{0}")]
     Refused(String),
     /// The store answered with an error.
@@ -112,13 +124,26 @@ impl Error {
         }
     }
 
-    /// The process exit code: 2 for usage problems (bad URL, missing feature, no
-    /// confirmation), 3 for a double charge in the demo, 1 otherwise.
+    /// The process exit code: 2 for usage (a bad URL, a missing feature, arguments that
+    /// do not go together, no confirmation), 3 for a double charge in the demo, 4 for no
+    /// record for the key, 1 otherwise (the store or the record refused, or failed).
     pub fn exit_code(&self) -> u8 {
         match self {
-            Error::BadUrl { .. } | Error::FeatureMissing { .. } | Error::NotConfirmed { .. } => 2,
+            Error::BadUrl { .. }
+            | Error::FeatureMissing { .. }
+            | Error::NotConfirmed { .. }
+            | Error::Usage(_) => 2,
             Error::DoubleCharge(_) => 3,
+            Error::NotFound { .. } => 4,
             _ => 1,
+        }
+    }
+
+    /// An [`Error::NotFound`] for `key`, `then` saying what the command does not do.
+    pub fn not_found(key: &impl std::fmt::Display, then: &'static str) -> Self {
+        Error::NotFound {
+            key: key.to_string(),
+            then,
         }
     }
 }

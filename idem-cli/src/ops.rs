@@ -21,7 +21,7 @@ pub(crate) async fn open(url: &str) -> Result<(Target, Box<dyn Store>)> {
 }
 
 fn key_of(args: &KeyArgs) -> Result<Key> {
-    Key::new(args.namespace.clone(), args.id.clone()).map_err(|e| Error::Refused(e.to_string()))
+    Key::new(args.namespace.clone(), args.id.clone()).map_err(|e| Error::Usage(e.to_string()))
 }
 
 async fn read(store: &dyn Store, key: &Key) -> Result<Option<Record>> {
@@ -35,7 +35,8 @@ pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<()> {
     Ok(())
 }
 
-/// `idem inspect`: the record, readable.
+/// `idem inspect`: the record, readable. No record is [`Error::NotFound`] (exit 4), after
+/// `null` with `--json`.
 pub async fn inspect(args: &InspectArgs) -> Result<()> {
     let key = key_of(&args.key)?;
     let (_, store) = open(&args.key.backend.backend).await?;
@@ -44,8 +45,12 @@ pub async fn inspect(args: &InspectArgs) -> Result<()> {
     match (record, args.json) {
         (Some(r), false) => out!("{}", record_text(&r, now)),
         (Some(r), true) => print_json(&RecordView::new(&r, now))?,
-        (None, false) => out!("no record for {key} (never claimed, deleted, or expired)"),
-        (None, true) => out!("null"),
+        (None, json) => {
+            if json {
+                out!("null");
+            }
+            return Err(Error::not_found(&key, ""));
+        }
     }
     Ok(())
 }
@@ -53,12 +58,12 @@ pub async fn inspect(args: &InspectArgs) -> Result<()> {
 /// `idem list`: records passing the filter; `--stuck` keeps lapsed leases only.
 pub async fn list(args: &ListArgs) -> Result<()> {
     if args.stuck && args.state.is_some_and(|s| s != StateArg::Processing) {
-        return Err(Error::Refused(
+        return Err(Error::Usage(
             "--stuck lists processing records; it cannot go with another --state".into(),
         ));
     }
     if args.poisoned && args.state.is_some() {
-        return Err(Error::Refused(
+        return Err(Error::Usage(
             "--poisoned picks failed and lapsed records itself; it cannot go with --state".into(),
         ));
     }
@@ -130,9 +135,7 @@ pub async fn release(args: &ReleaseArgs) -> Result<()> {
     let key = key_of(key_args)?;
     let (_, store) = open(&key_args.backend.backend).await?;
     let Some(record) = read(store.as_ref(), &key).await? else {
-        return Err(Error::Refused(format!(
-            "no record for {key}: nothing to release"
-        )));
+        return Err(Error::not_found(&key, ": nothing to release"));
     };
     let now = Timestamp::now();
     if record.state != State::Processing {
@@ -189,8 +192,7 @@ pub async fn delete(args: &ChangeKeyArgs) -> Result<()> {
     let key = key_of(&args.key)?;
     let (_, store) = open(&args.key.backend.backend).await?;
     let Some(record) = read(store.as_ref(), &key).await? else {
-        out!("no record for {key}: nothing to delete");
-        return Ok(());
+        return Err(Error::not_found(&key, ": nothing to delete"));
     };
     out!("{}", record_text(&record, Timestamp::now()));
     confirm(
@@ -202,11 +204,11 @@ pub async fn delete(args: &ChangeKeyArgs) -> Result<()> {
         .delete(&key)
         .await
         .store(format!("delete {key}"))?;
-    if existed {
-        out!("deleted {key}");
-    } else {
-        out!("{key} was already gone");
+    if !existed {
+        // Gone between the read and the delete (deleted or expired meanwhile).
+        return Err(Error::not_found(&key, ": nothing to delete"));
     }
+    out!("deleted {key}");
     Ok(())
 }
 

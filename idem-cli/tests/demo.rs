@@ -148,7 +148,7 @@ fn the_idem_side_runs_on_a_real_redis() {
 fn bad_demo_flags_are_refused() {
     let out = demo(&["--messages", "5", "--duplicates", "10"], false);
     let (_, err) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(out.status.code(), Some(2), "a usage error: {err}");
     assert!(
         err.contains("--duplicates cannot exceed --messages"),
         "{err}"

@@ -184,7 +184,7 @@ async fn a_poisoned_message_is_replayed_after_the_fix_and_handled_once() {
 
     // replay: a selection is required, confirmation is required, memory: is refused.
     let replay = ["dlq", "replay", "--brokers", &brokers, &dlq, "-b", &url];
-    let err = fails(&with(&replay, &["--reset", "--yes"]), 1);
+    let err = fails(&with(&replay, &["--reset", "--yes"]), 2);
     assert!(err.contains("--all"), "{err}");
     let err = fails(&with(&replay, &["--all", "--reset"]), 2);
     assert!(err.contains("without confirmation"), "{err}");
@@ -199,7 +199,7 @@ async fn a_poisoned_message_is_replayed_after_the_fix_and_handled_once() {
             "memory:",
             "--all",
         ],
-        1,
+        2,
     );
     assert!(err.contains("consumer's store"), "{err}");
     let dry = ok(&with(&replay, &["--all", "--reset", "--dry-run"]));

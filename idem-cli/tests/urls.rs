@@ -31,7 +31,7 @@ fn a_bad_url_gets_one_line_naming_the_forms() {
 #[test]
 fn a_bad_key_is_refused() {
     let long = "x".repeat(600);
-    let err = fails(&["inspect", "-b", "memory:", "ns", &long], 1);
+    let err = fails(&["inspect", "-b", "memory:", "ns", &long], 2);
     assert!(err.contains("invalid key: id is 600 bytes"), "{err}");
 }
 
@@ -39,7 +39,7 @@ fn a_bad_key_is_refused() {
 fn list_on_memory_answers_and_bench_flags_are_checked() {
     let out = common::ok(&["list", "-b", "memory:"]);
     assert_eq!(out.trim(), "no records match");
-    let err = fails(&["bench", "--concurrency", "0", "--duration", "10ms"], 1);
+    let err = fails(&["bench", "--concurrency", "0", "--duration", "10ms"], 2);
     assert!(
         err.contains("--concurrency needs numbers of at least 1"),
         "{err}"

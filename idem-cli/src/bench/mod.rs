@@ -126,15 +126,15 @@ fn shown(paths: &[std::path::PathBuf]) -> String {
 
 fn check(args: &BenchArgs) -> Result<()> {
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
-        return Err(Error::Refused(
+        return Err(Error::Usage(
             "--concurrency needs numbers of at least 1".into(),
         ));
     }
     if args.batch.is_empty() || args.batch.contains(&0) {
-        return Err(Error::Refused("--batch needs numbers of at least 1".into()));
+        return Err(Error::Usage("--batch needs numbers of at least 1".into()));
     }
     if args.duration < Duration::from_millis(10) {
-        return Err(Error::Refused("--duration must be at least 10ms".into()));
+        return Err(Error::Usage("--duration must be at least 10ms".into()));
     }
     Ok(())
 }

@@ -139,15 +139,13 @@ fn bar(name: &str, total: u64) -> ProgressBar {
 
 fn check(args: &DemoArgs) -> Result<()> {
     if args.messages == 0 || args.messages > 20_000 {
-        return Err(Error::Refused("--messages must be 1 to 20000".into()));
+        return Err(Error::Usage("--messages must be 1 to 20000".into()));
     }
     if args.duplicates > args.messages {
-        return Err(Error::Refused(
-            "--duplicates cannot exceed --messages".into(),
-        ));
+        return Err(Error::Usage("--duplicates cannot exceed --messages".into()));
     }
     if args.crashes > 20 {
-        return Err(Error::Refused("--crashes must be at most 20".into()));
+        return Err(Error::Usage("--crashes must be at most 20".into()));
     }
     Ok(())
 }

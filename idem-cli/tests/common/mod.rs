@@ -53,10 +53,22 @@ pub fn fails(args: &[&str], code: i32) -> String {
     stderr
 }
 
-/// `idem inspect --json` of a key, parsed.
+/// `idem inspect --json` of a key, parsed: `null` (and exit 4) when it has no record.
 pub fn inspect(url: &str, key: &Key) -> serde_json::Value {
-    let out = ok(&["inspect", "-b", url, key.namespace(), key.id(), "--json"]);
-    serde_json::from_str(&out).expect("inspect --json is JSON")
+    let out = idem(&["inspect", "-b", url, key.namespace(), key.id(), "--json"]);
+    let (stdout, stderr) = text(&out);
+    match out.status.code() {
+        Some(0) => {}
+        Some(4) => assert!(stderr.contains(&format!("no record for {key}")), "{stderr}"),
+        _ => panic!("inspect {key} ({:?}):\n{stdout}\n{stderr}", out.status),
+    }
+    let json = serde_json::from_str(&stdout).expect("inspect --json is JSON");
+    assert_eq!(
+        out.status.code() == Some(4),
+        json == serde_json::Value::Null,
+        "{stdout}"
+    );
+    json
 }
 
 fn claim(key: &Key, owner: &str, lease: Duration) -> Claim {
@@ -137,7 +149,7 @@ pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: 
         .expect("complete");
     let err = fails(&["release", "-b", url, namespace, "done", "--yes"], 1);
     assert!(err.contains("is completed, not processing"), "{err}");
-    let err = fails(&["release", "-b", url, namespace, "nothing", "--yes"], 1);
+    let err = fails(&["release", "-b", url, namespace, "nothing", "--yes"], 4);
     assert!(err.contains("no record"), "{err}");
     let shown = ok(&["inspect", "-b", url, namespace, "done"]);
     assert!(
@@ -153,8 +165,8 @@ pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: 
     assert!(out.contains(&format!("deleted {done}")), "{out}");
     assert!(b.get(&done).await.expect("get").is_none());
     assert_eq!(inspect(url, &done), serde_json::Value::Null);
-    let out = ok(&["delete", "-b", url, namespace, "done", "--yes"]);
-    assert!(out.contains("nothing to delete"), "{out}");
+    let err = fails(&["delete", "-b", url, namespace, "done", "--yes"], 4);
+    assert!(err.contains("nothing to delete"), "{err}");
 
     // A lease that lapses and a record that expires, for list --stuck and purge.
     let stuck = key("stuck");
@@ -196,7 +208,7 @@ pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: 
         let err = fails(&list, 1);
         assert!(err.contains("cannot list records"), "{err}");
     }
-    let err = fails(&["list", "-b", url, "--state", "failed", "--stuck"], 1);
+    let err = fails(&["list", "-b", url, "--state", "failed", "--stuck"], 2);
     assert!(err.contains("--stuck"), "{err}");
 
     // list --poisoned: a permanent failure always; a retryable failure or a lapsed lease
@@ -239,7 +251,7 @@ pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: 
     }
     let err = fails(
         &["list", "-b", url, "--poisoned", "--state", "completed"],
-        1,
+        2,
     );
     assert!(err.contains("--poisoned"), "{err}");
 
