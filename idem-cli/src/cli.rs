@@ -191,7 +191,8 @@ pub struct BenchArgs {
     /// Where to write bench.json and bench.svg.
     #[arg(long, default_value = "idem-bench")]
     pub out: PathBuf,
-    /// No progress bars (they also hide themselves when stderr is not a terminal).
+    /// No progress: no bar on a terminal, no line per finished cell elsewhere (the line
+    /// saying how long the run takes stays).
     #[arg(long)]
     pub quiet: bool,
     /// Also measure each backend behind `idem_core::layer::Coalesce` (single calls made

@@ -272,3 +272,189 @@ fn an_unreachable_store_fails_before_any_measurement() {
         "a report was written"
     );
 }
+
+/// Off a terminal (stderr is a pipe here, where a bar hides itself) the bench says first
+/// how long its measurements take, then a line per finished cell; `--quiet` keeps only
+/// the first line.
+#[test]
+fn off_a_terminal_the_bench_says_how_long_then_a_line_per_cell() {
+    let out = tempfile::tempdir().expect("temp dir");
+    let dir = out.path().to_str().expect("utf-8 path");
+    let args = [
+        "bench",
+        "-b",
+        "memory:",
+        "--concurrency",
+        "1,2",
+        "--batch",
+        "1",
+        "--duration",
+        "10ms",
+        "--out",
+        dir,
+    ];
+    let run = common::idem(&args);
+    let (stdout, stderr) = common::text(&run);
+    assert!(run.status.success(), "{stdout}\n{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 3, "{stderr}");
+    assert_eq!(
+        lines[0],
+        "idem bench: 1 store(s) × 2 cell(s) × 4 workloads × 10ms = 80ms of measurement, plus set-up and warm-up"
+    );
+    for (line, head) in lines[1..].iter().zip([
+        "[1/2] memory ×1 workers, batch 1: idem ",
+        "[2/2] memory ×2 workers, batch 1: idem ",
+    ]) {
+        assert!(line.starts_with(head), "{line}");
+        assert!(
+            line.contains(" keys/s (")
+                && line.contains(" of by hand), by hand ")
+                && line.contains(", replay "),
+            "{line}"
+        );
+    }
+    assert!(
+        !stderr.contains('\r') && !stderr.contains('\u{1b}'),
+        "no bar: {stderr:?}"
+    );
+
+    let run = common::idem(&[&args[..], &["--quiet"]].concat());
+    let (stdout, stderr) = common::text(&run);
+    assert!(run.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(stderr.lines().collect::<Vec<_>>(), &lines[..1], "{stderr}");
+}
+
+/// A Redis user (on IDEM_REDIS_URL) whose ACL lets it connect but touch no key the bench
+/// writes, removed when dropped: a store that opens, then refuses every write.
+struct NoKeysUser {
+    server: url::Url,
+    name: String,
+    password: String,
+}
+
+impl NoKeysUser {
+    fn create(server: &str) -> Self {
+        let server = url::Url::parse(server).expect("IDEM_REDIS_URL parses");
+        let tag = format!("{}-{}", std::process::id(), fastrand::u32(..));
+        let user = NoKeysUser {
+            server,
+            name: format!("idemcli-bench-{tag}"),
+            password: format!("pw-{tag}"),
+        };
+        let rules = [
+            "on",
+            &format!(">{}", user.password),
+            "~idemcli-none:*",
+            "allchannels",
+            "+@all",
+        ];
+        let reply = user.command(&[&["ACL", "SETUSER", &user.name][..], &rules].concat());
+        assert_eq!(reply, "+OK", "ACL SETUSER");
+        user
+    }
+
+    /// `server` as this user.
+    fn url(&self) -> String {
+        let mut url = self.server.clone();
+        url.set_username(&self.name).expect("a user");
+        url.set_password(Some(&self.password)).expect("a password");
+        url.to_string()
+    }
+
+    /// One command as the server URL's own user; the first line of the reply.
+    fn command(&self, args: &[&str]) -> String {
+        use std::io::{BufRead, BufReader, Write};
+        let host = self.server.host_str().expect("a host");
+        let port = self.server.port().unwrap_or(6379);
+        let stream = std::net::TcpStream::connect((host, port)).expect("connect to Redis");
+        let mut reader = BufReader::new(stream.try_clone().expect("clone the stream"));
+        let mut stream = stream;
+        let mut send = |args: &[&str]| {
+            let mut wire = format!("*{}\r\n", args.len());
+            for a in args {
+                wire.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+            }
+            stream.write_all(wire.as_bytes()).expect("send to Redis");
+            let mut line = String::new();
+            reader.read_line(&mut line).expect("a reply from Redis");
+            line.trim_end().to_owned()
+        };
+        if let Some(password) = self.server.password() {
+            let user = match self.server.username() {
+                "" => "default",
+                user => user,
+            };
+            assert_eq!(send(&["AUTH", user, password]), "+OK", "AUTH");
+        }
+        send(args)
+    }
+}
+
+impl Drop for NoKeysUser {
+    fn drop(&mut self) {
+        let _ = self.command(&["ACL", "DELUSER", &self.name]);
+    }
+}
+
+/// A store that opens and then fails part way (Redis refusing the bench user's writes)
+/// ends the run with its name and a failure, and the report still has the cells measured
+/// before it (memory's, listed first).
+#[test]
+fn a_store_failing_part_way_keeps_the_cells_measured_before() {
+    let user = NoKeysUser::create(&idem_conformance::service_env("IDEM_REDIS_URL"));
+    let refusing = user.url();
+    let out = tempfile::tempdir().expect("temp dir");
+    let dir = out.path().to_str().expect("utf-8 path");
+    let run = common::idem(&[
+        "bench",
+        "-b",
+        "memory:",
+        "-b",
+        &refusing,
+        "--concurrency",
+        "1",
+        "--batch",
+        "1,2",
+        "--duration",
+        "10ms",
+        "--out",
+        dir,
+    ]);
+    let (stdout, stderr) = common::text(&run);
+    assert_eq!(run.status.code(), Some(1), "{stdout}\n{stderr}");
+    let last = stderr.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("idem: redis: preparing replays: "),
+        "{stderr}"
+    );
+    assert!(
+        last.to_ascii_lowercase().contains("noperm"),
+        "the server's refusal: {stderr}"
+    );
+    assert!(
+        stderr.contains("[2/4] memory ×1 workers, batch 2"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("[3/4]"), "{stderr}");
+    assert!(
+        stderr.contains("kept the cells measured before the failure"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(&user.password), "{stderr}");
+
+    let json = std::fs::read_to_string(out.path().join("bench.json")).expect("bench.json");
+    let report: Value = serde_json::from_str(&json).expect("bench.json is JSON");
+    let cells = report["cells"].as_array().expect("cells");
+    let measured: Vec<(&str, u64)> = cells
+        .iter()
+        .map(|c| (c["backend"].as_str().unwrap(), c["batch"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(measured, [("memory", 1), ("memory", 2)], "{json}");
+    assert!(
+        cells
+            .iter()
+            .all(|c| c["claim_complete"]["calls"].as_u64() > Some(0))
+    );
+    assert!(out.path().join("bench.md").exists() && out.path().join("bench.svg").exists());
+}

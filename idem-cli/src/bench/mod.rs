@@ -5,10 +5,12 @@
 
 mod markdown;
 mod measure;
+mod progress;
 mod provenance;
 mod report;
 mod subject;
 
+use std::io::IsTerminal;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -16,13 +18,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::backend::{Claim, ClaimOutcome, Settlement};
 use idem_core::{Backend, Fingerprint, Key};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::BenchArgs;
 use crate::error::{Error, Result, StoreContext};
 use crate::target::Target;
 
 pub use measure::Measure;
+use progress::Progress;
 pub use report::{Cell, Report};
 use subject::{RETENTION, Subject};
 
@@ -49,7 +51,8 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let tag = format!("{}_{}", std::process::id(), fastrand::u32(..0xfffff));
     let cells_per = args.concurrency.len() * args.batch.len() * (1 + usize::from(args.coalesce));
-    let bar = progress(args.quiet, (targets.len() * cells_per * WORKLOADS) as u64);
+    let terminal = std::io::stderr().is_terminal();
+    let bar = Progress::new(args.quiet, terminal, targets.len() * cells_per);
     let workers = args.concurrency.iter().copied().max().unwrap_or(1);
     // Every store is opened before any is measured, so a bad or unreachable URL fails at
     // once, not after the stores before it ran.
@@ -66,6 +69,7 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
             }
         }
     }
+    bar.println(&progress::estimate(targets.len(), cells_per, args.duration));
     let mut cells = Vec::new();
     let mut failed = None;
     for subject in &subjects {
@@ -79,9 +83,13 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
         }
     }
     let closed = close_all(subjects).await;
-    bar.finish_and_clear();
+    bar.finish();
     // A run that failed part way still writes what it measured, then reports the failure.
-    if let (Some(e), true) = (failed.take(), cells.is_empty()) {
+    // (`take` only when nothing was measured: taken otherwise, the failure was lost, and
+    // a run whose second store failed exited 0.)
+    if cells.is_empty()
+        && let Some(e) = failed.take()
+    {
         return Err(e);
     }
     let report = Report::new(args, provenance::Provenance::here(), cells);
@@ -139,25 +147,11 @@ fn check(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn progress(quiet: bool, total: u64) -> ProgressBar {
-    if quiet {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(total);
-    if let Ok(style) = ProgressStyle::with_template(
-        "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} measurements  {msg}",
-    ) {
-        bar.set_style(style);
-    }
-    bar.enable_steady_tick(Duration::from_millis(120));
-    bar
-}
-
 /// Every (concurrency, batch) cell of one backend.
 async fn bench_one(
     subject: &Subject,
     args: &BenchArgs,
-    bar: &ProgressBar,
+    bar: &Progress,
     cells: &mut Vec<Cell>,
 ) -> Result<()> {
     // Each pass over a store keys its own namespace, so its fresh keys are fresh.
@@ -173,29 +167,31 @@ async fn bench_one(
             let raw = baseline_workload(subject, &keys, false, (c, b, args.duration))
                 .await
                 .map_err(|e| e.within(&label("raw")))?;
-            bar.inc(1);
+            bar.inc();
             bar.set_message(label("by hand"));
             let by_hand = baseline_workload(subject, &keys, true, (c, b, args.duration))
                 .await
                 .map_err(|e| e.within(&label("by hand")))?;
-            bar.inc(1);
+            bar.inc();
             bar.set_message(label("claim+complete"));
             let claim = claim_workload(subject, &keys, c, b, args.duration)
                 .await
                 .map_err(|e| e.within(&label("claim+complete")))?;
-            bar.inc(1);
+            bar.inc();
             bar.set_message(label("replay"));
             let replay = replay_workload(subject, &done, c, b, args.duration)
                 .await
                 .map_err(|e| e.within(&label("replay")))?;
-            bar.inc(1);
+            bar.inc();
             let measured = report::Measured {
                 raw,
                 by_hand,
                 claim_complete: claim,
                 replay,
             };
-            cells.push(Cell::new(subject, c, b, measured));
+            let cell = Cell::new(subject, c, b, measured);
+            bar.cell_done(cells.len() + 1, &cell);
+            cells.push(cell);
         }
     }
     Ok(())
