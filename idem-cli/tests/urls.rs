@@ -122,3 +122,95 @@ fn the_backends_listing_shows_every_registered_backend() {
         assert!(row.contains(scheme) && row.contains("yes"), "{row}");
     }
 }
+
+/// A parameter that neither the driver nor its client reads is refused (it was silently
+/// ignored: `?prefx=` opened the default prefix), with the one probably meant: a case for
+/// every backend compiled in.
+#[test]
+fn an_unknown_url_parameter_is_refused_with_the_one_meant() {
+    let cases = [
+        ("memory", "memory:?prefix=p", None),
+        (
+            "redis",
+            "redis://:s3cret@127.0.0.1:6379/?prefx=p",
+            Some("prefix"),
+        ),
+        (
+            "postgres",
+            "postgres://app:s3cret@127.0.0.1/db?schema=s&sslmod=disable",
+            Some("sslmode"),
+        ),
+        (
+            "mysql",
+            "mysql://app@127.0.0.1/db?ssl-mod=DISABLED",
+            Some("ssl-mode"),
+        ),
+        (
+            "dynamodb",
+            "dynamodb://t?endpoint=http://h:1&regoin=local",
+            Some("region"),
+        ),
+    ];
+    let listing = common::ok(&["backends"]);
+    for row in listing.lines().filter(|l| l.contains(" yes ")) {
+        assert!(
+            cases
+                .iter()
+                .any(|(name, ..)| row.contains(&format!(" {name} "))),
+            "no case for the compiled backend of {row}"
+        );
+    }
+    for (name, url, meant) in cases {
+        let err = fails(&["inspect", "-b", url, "ns", "id"], 2);
+        let param = url
+            .rsplit(['?', '&'])
+            .next()
+            .and_then(|p| p.split('=').next());
+        let param = param.expect("a parameter");
+        assert!(
+            err.contains(&format!("unknown parameter \"{param}\"")),
+            "{name}: {err}"
+        );
+        match meant {
+            Some(meant) => assert!(
+                err.contains(&format!("did you mean `{meant}`?")) && err.contains("accepted: "),
+                "{name}: {err}"
+            ),
+            None => assert!(err.contains("takes no parameters"), "{name}: {err}"),
+        }
+        assert!(!err.contains("s3cret"), "{err}");
+    }
+}
+
+/// Parameters the drivers' clients read still open the store: `sslmode` on PostgreSQL,
+/// `protocol` on Redis (`inspect` reads the store, and finds no record: exit 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_url_parameters_still_open() {
+    let tag = format!("{}_{}", std::process::id(), fastrand::u32(..));
+    let redis = idem_conformance::service_env("IDEM_REDIS_URL");
+    let sep = if redis.contains('?') { '&' } else { '?' };
+    let redis = format!("{redis}{sep}protocol=resp2&prefix=idemcli-urls:{tag}:");
+    let err = fails(&["inspect", "-b", &redis, "ns", "id"], 4);
+    assert!(err.contains("no record for ns/id"), "{err}");
+
+    let base = idem_conformance::service_env("IDEM_POSTGRES_URL");
+    let schema = format!("idemcli_urls_{tag}");
+    let sep = if base.contains('?') { '&' } else { '?' };
+    let pg = format!("{base}{sep}sslmode=disable&schema={schema}");
+    let out = common::ok(&["migrate", "-b", &pg, "--yes"]);
+    assert!(
+        out.contains(&format!("schema {schema} is migrated")),
+        "{out}"
+    );
+    let err = fails(&["inspect", "-b", &pg, "ns", "id"], 4);
+    assert!(err.contains("no record for ns/id"), "{err}");
+    let config = idem_postgres::PgConfig::new(base).with_schema(schema.clone());
+    let backend = idem_postgres::PgBackend::connect(config)
+        .await
+        .expect("connect to IDEM_POSTGRES_URL");
+    let drop = format!("DROP SCHEMA \"{schema}\" CASCADE");
+    sqlx::query(sqlx::AssertSqlSafe(drop))
+        .execute(backend.pool())
+        .await
+        .expect("drop the test schema");
+}

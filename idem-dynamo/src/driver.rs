@@ -53,6 +53,7 @@ fn parse(text: &str) -> Result<Parsed> {
             url.path()
         )));
     }
+    driver::check_params(&url, &["endpoint", "region"])?;
     let (mut endpoint, mut region) = (None, None);
     for (k, v) in url.query_pairs() {
         match &*k {
@@ -61,11 +62,7 @@ fn parse(text: &str) -> Result<Parsed> {
                 endpoint = Some(v.into_owned());
             }
             "region" if !v.is_empty() => region = Some(v.into_owned()),
-            other => {
-                return Err(bad(format!(
-                    "unknown parameter {other:?} (endpoint, region)"
-                )));
-            }
+            _ => {}
         }
     }
     Ok(Parsed {

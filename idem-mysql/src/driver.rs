@@ -19,6 +19,26 @@ pub static DRIVER: MySqlDriver = MySqlDriver;
 #[derive(Debug)]
 pub struct MySqlDriver;
 
+/// The parameters of a URL: the driver's `schema`, and those sqlx-mysql reads
+/// (`MySqlConnectOptions::parse_from_url`), each spelling it takes.
+const PARAMS: &[&str] = &[
+    "schema",
+    "sslmode",
+    "ssl-mode",
+    "sslca",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "charset",
+    "collation",
+    "statement-cache-capacity",
+    "socket",
+    "timezone",
+    "time-zone",
+];
+
 /// A checked URL: without `schema`, and the schema if given.
 fn parse(text: &str) -> Result<(String, Option<String>)> {
     let text = text.trim();
@@ -33,6 +53,7 @@ fn parse(text: &str) -> Result<(String, Option<String>)> {
     if url.host_str().is_none_or(str::is_empty) {
         return Err(bad("no host".into()));
     }
+    driver::check_params(&url, PARAMS)?;
     let schema = driver::take_param(&mut url, "schema");
     Ok((url.to_string(), schema))
 }

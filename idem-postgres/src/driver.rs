@@ -18,6 +18,31 @@ pub static DRIVER: PgDriver = PgDriver;
 #[derive(Debug)]
 pub struct PgDriver;
 
+/// The parameters of a URL: the driver's `schema`, and those sqlx-postgres reads
+/// (`PgConnectOptions::parse_from_url`), each spelling it takes.
+const PARAMS: &[&str] = &[
+    "schema",
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+    "options[*]",
+];
+
 /// A checked URL: without `schema`, and the schema.
 fn parse(text: &str) -> Result<(String, String)> {
     let text = text.trim();
@@ -32,6 +57,7 @@ fn parse(text: &str) -> Result<(String, String)> {
     if url.host_str().is_none_or(str::is_empty) {
         return Err(bad("no host".into()));
     }
+    driver::check_params(&url, PARAMS)?;
     let schema = driver::take_param(&mut url, "schema").unwrap_or_else(|| "idem".into());
     Ok((url.to_string(), schema))
 }

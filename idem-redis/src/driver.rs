@@ -19,6 +19,14 @@ pub static DRIVER: RedisDriver = RedisDriver;
 #[derive(Debug)]
 pub struct RedisDriver;
 
+/// The parameters of a `redis://` or `rediss://` URL: the driver's `prefix`, and the
+/// client's `protocol` (redis-rs reads no other; the database is the path).
+const TCP_PARAMS: &[&str] = &["prefix", "protocol"];
+
+/// The parameters of a `redis+unix://` URL: redis-rs also reads `db`, `user` and `pass`
+/// there, which a socket path cannot carry.
+const UNIX_PARAMS: &[&str] = &["prefix", "protocol", "db", "user", "pass"];
+
 /// A checked URL list: the node URLs without `prefix`, and the prefix.
 struct Parsed {
     urls: String,
@@ -37,6 +45,12 @@ fn parse(text: &str) -> Result<Parsed> {
         if url.host_str().is_none_or(str::is_empty) && url.scheme() != "redis+unix" {
             return Err(bad("no host".into()));
         }
+        let accepted = if url.scheme() == "redis+unix" {
+            UNIX_PARAMS
+        } else {
+            TCP_PARAMS
+        };
+        driver::check_params(&url, accepted)?;
         if let Some(p) = driver::take_param(&mut url, "prefix") {
             prefix = p;
         }

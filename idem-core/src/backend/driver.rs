@@ -207,6 +207,75 @@ pub fn take_param(url: &mut url::Url, name: &str) -> Option<String> {
     found
 }
 
+/// Refuses a query parameter of `url` that is not in `accepted`: the parameters the driver
+/// takes itself (`prefix`, `schema`) and those its client reads from the URL (`sslmode`,
+/// `protocol`, …). An entry with a `*` stands for any text there (`options[*]`). The error
+/// names the parameter, the accepted ones and, when one is a letter or two away, the one
+/// probably meant. Without this check a misspelt parameter (`?prefx=p`) is silently ignored
+/// and the store opened with the default.
+pub fn check_params(url: &url::Url, accepted: &[&str]) -> Result<()> {
+    let Some((name, _)) = url
+        .query_pairs()
+        .find(|(k, _)| !accepted.iter().any(|a| param_matches(a, k)))
+    else {
+        return Ok(());
+    };
+    let known = if accepted.is_empty() {
+        "this backend takes no parameters".to_owned()
+    } else {
+        format!("accepted: {}", accepted.join(", "))
+    };
+    let hint = closest(&name, accepted)
+        .map(|a| format!("; did you mean `{a}`?"))
+        .unwrap_or_default();
+    Err(Error::config(format!(
+        "unknown parameter {name:?} ({known}){hint}"
+    )))
+}
+
+/// Whether the query key `key` is the accepted parameter `pattern` (a `*` in which stands
+/// for any text).
+fn param_matches(pattern: &str, key: &str) -> bool {
+    match pattern.split_once('*') {
+        Some((head, tail)) => {
+            key.len() >= head.len() + tail.len() && key.starts_with(head) && key.ends_with(tail)
+        }
+        None => pattern == key,
+    }
+}
+
+/// The accepted parameter nearest `name`, if it is at most two edits away (and fewer
+/// than `name` has characters, so that a short name is not "close" to everything).
+fn closest<'a>(name: &str, accepted: &[&'a str]) -> Option<&'a str> {
+    let name = name.to_ascii_lowercase();
+    accepted
+        .iter()
+        .filter(|a| !a.contains('*'))
+        .map(|a| (edit_distance(&name, a), *a))
+        .filter(|&(d, _)| d <= 2 && d < name.chars().count())
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, a)| a)
+}
+
+/// The Levenshtein distance of `a` and `b`: insertions, deletions and substitutions of
+/// one character each.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1)
+                .min(row[j] + 1)
+                .min(diagonal + usize::from(ca != *cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
 fn is_scheme(s: &str) -> bool {
     s.starts_with(|c: char| c.is_ascii_alphabetic())
         && s.chars()
@@ -232,7 +301,11 @@ impl Driver for MemoryDriver {
         "memory: (this process only)"
     }
     fn check(&self, url: &str) -> Result<String> {
-        match url.trim() {
+        let url = url.trim();
+        if let Ok(parsed) = url::Url::parse(url) {
+            check_params(&parsed, &[])?;
+        }
+        match url {
             "memory:" | "memory://" | "memory" => Ok("memory:".into()),
             _ => Err(Error::config("write memory: with nothing after it")),
         }
@@ -350,6 +423,55 @@ mod tests {
         let mut url = url::Url::parse("redis://h/?prefix=p").unwrap();
         assert_eq!(take_param(&mut url, "prefix").as_deref(), Some("p"));
         assert_eq!(url.as_str(), "redis://h/");
+    }
+
+    #[test]
+    fn check_params_names_the_unknown_one_and_the_one_meant() {
+        let url = |s: &str| url::Url::parse(s).unwrap();
+        let accepted = ["prefix", "protocol", "options[*]"];
+        assert!(check_params(&url("redis://h/?prefix=p&protocol=3"), &accepted).is_ok());
+        assert!(check_params(&url("redis://h/"), &[]).is_ok());
+        assert!(check_params(&url("postgres://h/d?options[search_path]=x"), &accepted).is_ok());
+        let message = |s: &str, accepted: &[&str]| match check_params(&url(s), accepted) {
+            Err(Error::Config { message, .. }) => message,
+            other => panic!("{s}: {other:?}"),
+        };
+        assert_eq!(
+            message("redis://h/?prefix=a&prefx=p", &accepted),
+            "unknown parameter \"prefx\" (accepted: prefix, protocol, options[*]); did you mean `prefix`?"
+        );
+        // Nothing close: no guess; a short name is close to nothing.
+        let far = message("redis://h/?colour=red", &accepted);
+        assert!(
+            far.starts_with("unknown parameter \"colour\" (accepted: "),
+            "{far}"
+        );
+        assert!(!far.contains("did you mean"), "{far}");
+        assert!(!message("redis://h/?x=1", &["db"]).contains("did you mean"));
+        assert!(message("redis://h/?PREFIX=p", &accepted).ends_with("did you mean `prefix`?"));
+        // `options[` alone is not `options[*]`.
+        assert!(message("postgres://h/d?options[=x", &accepted).contains("\"options[\""));
+        assert_eq!(
+            message("memory:?prefix=p", &[]),
+            "unknown parameter \"prefix\" (this backend takes no parameters)"
+        );
+        assert!(MEMORY.check("memory:?prefx=p").is_err());
+    }
+
+    #[test]
+    fn edit_distance_counts_single_character_edits() {
+        for (a, b, d) in [
+            ("prefix", "prefix", 0),
+            ("prefx", "prefix", 1),
+            ("sslmod", "sslmode", 1),
+            ("ssl_mode", "ssl-mode", 1),
+            ("protocl", "protocol", 1),
+            ("", "db", 2),
+            ("kitten", "sitting", 3),
+        ] {
+            assert_eq!(edit_distance(a, b), d, "{a} {b}");
+            assert_eq!(edit_distance(b, a), d, "{b} {a}");
+        }
     }
 
     #[tokio::test]
