@@ -9,6 +9,7 @@ use idem_core::backend::driver::{Driver, MEMORY, Options, Store};
 
 /// A backend this build knows of.
 #[derive(Clone, Copy)]
+#[non_exhaustive]
 pub struct Registered {
     /// Its name: `memory`, `redis`, `postgres`, `mysql`, `dynamodb`.
     pub name: &'static str,

@@ -66,11 +66,13 @@ fn selection(args: &LetterArgs) -> Result<Selection> {
             "--from-offset {from} is after --to-offset {to}: nothing to select"
         )));
     }
-    Ok(Selection {
-        partitions: args.partition.clone(),
-        from_offset: args.from_offset,
-        to_offset: args.to_offset,
-        reason: args.reason.map(reason_text),
+    let select = Selection::new()
+        .with_partitions(args.partition.iter().copied())
+        .with_from_offset(args.from_offset)
+        .with_to_offset(args.to_offset);
+    Ok(match args.reason {
+        Some(reason) => select.with_reason(reason_text(reason)),
+        None => select,
     })
 }
 
@@ -389,6 +391,11 @@ async fn dry_run(replayer: &Replayer, letters: &[DeadLetter], reset: bool) -> Re
                     ""
                 };
                 out!("{at}: would send to {to}/{partition} (key {key}){reset}");
+            }
+            // What a later idem-kafka's replay records say: shown, not sent.
+            unknown => {
+                other += 1;
+                out!("{at}: {unknown:?}");
             }
         }
     }

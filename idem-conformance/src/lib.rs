@@ -26,6 +26,7 @@ pub use property::model_agreement;
 
 /// How time moves for a backend under test.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub enum Time {
     /// The backend reads this clock; the suite moves it.
     Manual(ManualClock),
@@ -35,6 +36,7 @@ pub enum Time {
 
 /// An isolated backend for one case: nothing another case writes is visible to it.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct Fixture<B> {
     /// The backend.
     pub backend: B,

@@ -117,7 +117,10 @@ impl Proxy {
 /// none for the first wave; then a latency window, `latency` added to each chunk each way
 /// for `latency_for`, with every connection reset halfway through it, when calls are in
 /// flight in both directions; then every connection reset again, without latency; then a
-/// blackhole for `blackhole_for`.
+/// blackhole for `blackhole_for`. Built from [`Faults::new`] and its `with_…` methods, in
+/// a `const` too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Faults {
     /// The delay added to each chunk, each way, in a latency window.
     pub latency: Duration,
@@ -128,6 +131,36 @@ pub struct Faults {
 }
 
 impl Faults {
+    /// No latency, latency windows and blackholes of no length: resets alone.
+    pub const fn new() -> Self {
+        Faults {
+            latency: Duration::ZERO,
+            latency_for: Duration::ZERO,
+            blackhole_for: Duration::ZERO,
+        }
+    }
+
+    /// Sets [`Faults::latency`].
+    pub const fn with_latency(self, latency: Duration) -> Self {
+        Faults { latency, ..self }
+    }
+
+    /// Sets [`Faults::latency_for`].
+    pub const fn with_latency_for(self, latency_for: Duration) -> Self {
+        Faults {
+            latency_for,
+            ..self
+        }
+    }
+
+    /// Sets [`Faults::blackhole_for`].
+    pub const fn with_blackhole_for(self, blackhole_for: Duration) -> Self {
+        Faults {
+            blackhole_for,
+            ..self
+        }
+    }
+
     /// Injects through `proxy` the fault that meets wave `n`; returns once it is over, with
     /// what it did (resets with how many connections they cut).
     pub async fn inject(&self, n: usize, proxy: &Proxy) -> Vec<String> {

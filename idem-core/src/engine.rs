@@ -19,6 +19,7 @@ use crate::{
 
 /// What to do when a claim finds another worker's live lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum WaitPolicy {
     /// Answer [`Outcome::InProgress`] at once (the default; a Kafka loop pauses the
     /// partition instead of blocking).
@@ -77,7 +78,8 @@ pub enum Outcome<T = Bytes> {
 }
 
 /// What running one handler under its lease came to. Nothing is written yet: the caller
-/// settles it, alone or with a batch, through [`Engine::settle_batch`].
+/// settles it, alone or with a batch, through [`Engine::settle_batch`]. Exhaustive, like
+/// [`Settle`]: what is written, or the contract's `Fenced`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ran {
     /// Write this: the handler's response, or its failure (a panic and a response over

@@ -30,6 +30,7 @@ pub struct DynamoConfig {
 
 /// An access key, written into the configuration instead of read from the AWS chain.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct StaticCredentials {
     /// The access key id (shown by `Debug`).
     pub access_key_id: String,

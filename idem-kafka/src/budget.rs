@@ -30,7 +30,7 @@ impl Held {
 
     /// Whether the consumer holds more bytes than its bound.
     pub fn over_budget(&self) -> bool {
-        self.budget.held() > self.budget.bound
+        self.budget.held() > self.budget.bound()
     }
 
     /// Counts `bytes` of a message of this partition; says whether the partition held

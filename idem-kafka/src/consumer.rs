@@ -459,7 +459,7 @@ impl Shared {
     /// (so none waits forever on partitions that hold the budget). Forgets a partition
     /// given up meanwhile.
     fn resume_bytes(&self, paused: &mut Vec<Arc<PartitionState>>) {
-        let below_half = self.budget.held() <= self.budget.bound / 2;
+        let below_half = self.budget.held() <= self.budget.bound() / 2;
         paused.retain(|state| {
             if state.stop.is_fired() {
                 return false;

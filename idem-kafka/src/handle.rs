@@ -177,7 +177,7 @@ impl WorkerHandle {
         if n >= route.max_buffered {
             self.state.set_pause(route.client, BACKLOG, true);
         }
-        if held_some && route.budget.held() > route.budget.bound {
+        if held_some && route.budget.held() > route.budget.bound() {
             self.state.set_pause(route.client, BYTES, true);
             return true;
         }

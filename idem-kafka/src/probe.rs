@@ -23,6 +23,7 @@ pub enum Point {
 
 /// What a [`Probe`] wants done at a point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Verdict {
     /// Go on.
     Continue,

@@ -27,6 +27,7 @@ pub const REPLAY_NAMESPACE: &str = "idem.dlq-replay";
 
 /// Where a replayed letter was written.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Sent {
     /// The original topic.
     pub topic: String,
@@ -38,6 +39,7 @@ pub struct Sent {
 
 /// What `--reset` did to the dead-lettered message's own record before sending it.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Reset {
     /// No reset was asked for.
     NotAsked,
@@ -102,6 +104,7 @@ pub enum Replay {
 
 /// What earlier replays did with a letter, without changing anything (for `--dry-run`).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Previous {
     /// Never replayed (or its replay record expired).
     New,

@@ -25,6 +25,7 @@ impl Mode {
 
 /// Where dead letters go.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeadLetterTopic {
     /// `<topic>.dlq` for each source topic (the default).
     #[default]

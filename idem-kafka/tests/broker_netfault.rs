@@ -59,18 +59,14 @@ const DUPLICATE_EVERY: usize = 5;
 const CONSUMERS: u32 = 2;
 /// 800 ms each way (a round trip of 1.6 s, past the 500 ms heartbeat interval of
 /// `common::consumer_config`) for 3 s; a 5 s blackhole, within its 6 s session timeout.
-const FAULTS: Faults = Faults {
-    latency: Duration::from_millis(800),
-    latency_for: Duration::from_secs(3),
-    blackhole_for: Duration::from_secs(5),
-};
+const FAULTS: Faults = Faults::new()
+    .with_latency(Duration::from_millis(800))
+    .with_latency_for(Duration::from_secs(3))
+    .with_blackhole_for(Duration::from_secs(5));
 /// The full form's second round: the same but a 10 s blackhole, past the session
 /// timeout, so that the group's sessions expire under it and its partitions are revoked
 /// and assigned again.
-const FAULTS_LONG: Faults = Faults {
-    blackhole_for: Duration::from_secs(10),
-    ..FAULTS
-};
+const FAULTS_LONG: Faults = FAULTS.with_blackhole_for(Duration::from_secs(10));
 /// Resets in each round of faults: one under latency, one alone.
 const RESETS_PER_ROUND: usize = 2;
 /// librdkafka's prefetch per partition (`queued.min.messages`) and the batch.

@@ -137,28 +137,15 @@ async fn letters_are_read_to_the_end_with_their_headers() {
             .map(|l| (l.partition, l.offset))
             .collect()
     };
-    let partition_1 = Selection {
-        partitions: vec![1],
-        ..Selection::default()
-    };
+    let partition_1 = Selection::new().with_partitions([1]);
     assert_eq!(only(partition_1), [(1, 0)]);
-    let range = Selection {
-        from_offset: Some(1),
-        to_offset: Some(1),
-        ..Selection::default()
-    };
+    let range = Selection::new().with_from_offset(1).with_to_offset(1);
     assert_eq!(only(range), [(0, 1)]);
-    let mismatch = Selection {
-        reason: Some("mismatch".into()),
-        ..Selection::default()
-    };
+    let mismatch = Selection::new().with_reason("mismatch");
     assert_eq!(only(mismatch), [(1, 0)]);
 
     // A partition the topic lacks, a topic that does not exist, a broker that is down.
-    let p9 = Selection {
-        partitions: vec![9],
-        ..Selection::default()
-    };
+    let p9 = Selection::new().with_partitions([9]);
     let err = read_letters(&config(&brokers), &dlq, &p9, TIMEOUT).unwrap_err();
     assert!(
         matches!(&err, Error::Config(m) if m.contains("no partition 9")),

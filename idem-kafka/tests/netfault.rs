@@ -45,11 +45,10 @@ const WAVES: usize = 4;
 const LEASE: Duration = Duration::from_secs(2);
 /// 800 ms added to each chunk each way (a round trip of 1.6 s, past the heartbeat, a third
 /// of the lease, and within the Redis client's 2 s timeout) for 3 s; a 5 s blackhole.
-const FAULTS: Faults = Faults {
-    latency: Duration::from_millis(800),
-    latency_for: Duration::from_secs(3),
-    blackhole_for: Duration::from_secs(5),
-};
+const FAULTS: Faults = Faults::new()
+    .with_latency(Duration::from_millis(800))
+    .with_latency_for(Duration::from_secs(3))
+    .with_blackhole_for(Duration::from_secs(5));
 /// Every fiftieth payment's handler holds its lease 1 s after its effect, so that
 /// heartbeats are in flight when faults hit.
 const SLOW_EVERY: usize = 50;

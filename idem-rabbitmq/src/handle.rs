@@ -98,6 +98,11 @@ impl Session {
             }
             Extracted::Invalid(why) => self.dead(&msg, Reason::InvalidKey, &why, 0).await,
             Extracted::Malformed(why) => self.dead(&msg, Reason::MalformedPayload, &why, 0).await,
+            // An answer of a later key source: no key to claim under, so it is not run.
+            other => {
+                let why = format!("{other:?}");
+                self.dead(&msg, Reason::InvalidKey, &why, 0).await
+            }
         };
         self.finish(&msg, step, &acker).await
     }

@@ -48,6 +48,7 @@ use crate::{Error, HandlerError, Lease, Outcome, Result, Transactional};
 /// Where the careful pass of [`execute_batch`] stands when it asks for a handler's
 /// savepoint ([`TxStore::savepoint`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Savepoint {
     /// No handler of this pass has run yet ([`TxStore::begin_locked`] was told that the
     /// pass uses savepoints, and may have set the first one already).

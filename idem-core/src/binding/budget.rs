@@ -9,8 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// within the bound plus about one message.
 #[derive(Debug)]
 pub struct Budget {
-    /// The most bytes held before the consumer stops taking messages.
-    pub bound: usize,
+    bound: usize,
     held: AtomicUsize,
 }
 
@@ -21,6 +20,11 @@ impl Budget {
             bound,
             held: AtomicUsize::new(0),
         })
+    }
+
+    /// The most bytes held before the consumer stops taking messages.
+    pub fn bound(&self) -> usize {
+        self.bound
     }
 
     /// The bytes held now.

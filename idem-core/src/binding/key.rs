@@ -163,6 +163,7 @@ impl<M> fmt::Debug for KeySource<M> {
 
 /// What to do with a message whose key source finds no key.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MissingKey {
     /// Dead-letter it (the default).
     #[default]
@@ -175,6 +176,7 @@ pub enum MissingKey {
 
 /// What a key source found in one message.
 #[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Extracted {
     /// The key.
     Key(Key),

@@ -16,6 +16,7 @@ use crate::{Backend, Error, Key, Result};
 /// A kind of call [`Chaos`] can refuse.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
+#[non_exhaustive]
 pub enum Fault {
     /// `claim` and `claim_many`, and transactions (which claim first).
     Claim = 1,

@@ -132,6 +132,7 @@ impl Op {
 /// One call as a hook sees it: the method, how many items it carries, and for
 /// `settle_many` the settlements (so a hook can tell completes from failures).
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Call<'a> {
     /// The method.
     pub op: Op,

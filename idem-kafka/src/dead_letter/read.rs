@@ -20,6 +20,7 @@ use crate::{Error, Result};
 
 /// Which letters of a dead-letter topic to read. The default selects every letter.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Selection {
     /// Only these partitions of the dead-letter topic (empty: all).
     pub partitions: Vec<i32>,
@@ -32,6 +33,35 @@ pub struct Selection {
 }
 
 impl Selection {
+    /// Every letter.
+    pub fn new() -> Self {
+        Selection::default()
+    }
+
+    /// Sets [`Selection::partitions`].
+    pub fn with_partitions(mut self, partitions: impl IntoIterator<Item = i32>) -> Self {
+        self.partitions = partitions.into_iter().collect();
+        self
+    }
+
+    /// Sets [`Selection::from_offset`].
+    pub fn with_from_offset(mut self, offset: impl Into<Option<i64>>) -> Self {
+        self.from_offset = offset.into();
+        self
+    }
+
+    /// Sets [`Selection::to_offset`].
+    pub fn with_to_offset(mut self, offset: impl Into<Option<i64>>) -> Self {
+        self.to_offset = offset.into();
+        self
+    }
+
+    /// Sets [`Selection::reason`].
+    pub fn with_reason(mut self, reason: impl Into<String>) -> Self {
+        self.reason = Some(reason.into());
+        self
+    }
+
     /// Whether a letter passes the reason filter (positions are filtered while reading).
     fn keeps(&self, letter: &DeadLetter) -> bool {
         self.reason
@@ -44,6 +74,7 @@ impl Selection {
 /// missing leaves its field `None`; one that is there but unreadable (not UTF-8, not a
 /// number) does too, and says why in [`DeadLetter::problems`].
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeadLetter {
     /// The dead-letter topic.
     pub topic: String,

@@ -285,16 +285,19 @@ impl Worker {
                 let fingerprint = self.engine.fingerprint_of(msg.payload());
                 (msg.with_key(key), Kind::Keyed(fingerprint))
             }
-            Extracted::Missing => match s.missing_key {
-                MissingKey::DeadLetter => {
-                    let why = format!("no idempotency key ({:?})", s.key_source);
-                    (msg, Kind::DeadLetter(Reason::MissingKey, why))
-                }
-                MissingKey::Process => (msg, Kind::Unkeyed),
-            },
+            Extracted::Missing if s.missing_key == MissingKey::Process => (msg, Kind::Unkeyed),
+            Extracted::Missing => {
+                let why = format!("no idempotency key ({:?})", s.key_source);
+                (msg, Kind::DeadLetter(Reason::MissingKey, why))
+            }
             Extracted::Invalid(reason) => (msg, Kind::DeadLetter(Reason::InvalidKey, reason)),
             Extracted::Malformed(reason) => {
                 (msg, Kind::DeadLetter(Reason::MalformedPayload, reason))
+            }
+            // An answer of a later key source: no key to claim under, so it is not run.
+            other => {
+                let why = format!("{other:?}");
+                (msg, Kind::DeadLetter(Reason::InvalidKey, why))
             }
         };
         // The key is a field from the start: no `record` per message, and nothing is

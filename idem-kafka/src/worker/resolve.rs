@@ -82,7 +82,8 @@ impl Worker {
                     self.counters.in_progress_waits.increment(1);
                     let every = match self.engine.wait_policy() {
                         WaitPolicy::Wait { poll, .. } => poll,
-                        WaitPolicy::Return => backoff.wait(),
+                        // `Return`, and a policy of a later idem-core: back off.
+                        _ => backoff.wait(),
                     };
                     let until_lapse = lease_until.since(Timestamp::now());
                     let wait = every.min(until_lapse + Duration::from_millis(1));
