@@ -43,6 +43,9 @@ pub enum Command {
     Migrate(ChangeArgs),
     /// Dead-letter topics: list their letters, send letters back to their topics.
     Dlq(DlqArgs),
+    /// The consumer offsets transactional mode keeps in PostgreSQL or MySQL: show them,
+    /// or move them.
+    Offsets(OffsetsArgs),
     /// List the backends this build knows: their URL forms, and the feature that adds
     /// each one not compiled in.
     Backends,
@@ -242,6 +245,64 @@ pub struct DlqArgs {
     /// What to do.
     #[command(subcommand)]
     pub command: DlqCommand,
+}
+
+/// `idem offsets`.
+#[derive(Debug, Args)]
+pub struct OffsetsArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: OffsetsCommand,
+}
+
+/// The `idem offsets` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum OffsetsCommand {
+    /// The next offset stored for each topic and partition of a consumer group: where its
+    /// consumers in transactional mode start when they are assigned a partition.
+    Show(OffsetsShowArgs),
+    /// Move a group's stored offsets (stop the group's consumers first: they read the
+    /// offsets on assignment and write them as they settle).
+    Reset(OffsetsResetArgs),
+}
+
+/// `idem offsets show`.
+#[derive(Debug, Args)]
+pub struct OffsetsShowArgs {
+    #[command(flatten)]
+    pub backend: BackendArg,
+    /// The consumer group.
+    #[arg(long, short = 'g')]
+    pub group: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `idem offsets reset`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["to", "delete"])))]
+pub struct OffsetsResetArgs {
+    #[command(flatten)]
+    pub backend: BackendArg,
+    /// The consumer group.
+    #[arg(long, short = 'g')]
+    pub group: String,
+    /// The topic (with `--delete`, every topic when left out).
+    #[arg(long, short = 't')]
+    pub topic: Option<String>,
+    /// The partition (with `--delete`, every partition when left out).
+    #[arg(long, short = 'p')]
+    pub partition: Option<i32>,
+    /// Store this as the partition's next offset (needs `--topic` and `--partition`).
+    #[arg(long, value_name = "OFFSET", value_parser = clap::value_parser!(i64).range(0..))]
+    pub to: Option<i64>,
+    /// Remove the stored offsets instead: the consumers then start those partitions from
+    /// the offsets committed to Kafka.
+    #[arg(long)]
+    pub delete: bool,
+    #[command(flatten)]
+    pub yes: YesArg,
 }
 
 /// The `idem dlq` subcommands.

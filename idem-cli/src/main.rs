@@ -17,6 +17,7 @@ mod demo;
 #[cfg(feature = "kafka")]
 mod dlq;
 mod error;
+mod offsets;
 mod ops;
 mod show;
 mod target;
@@ -67,6 +68,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Delete(a) => ops::delete(&a).await,
         Command::Purge(a) => ops::purge(&a).await,
         Command::Migrate(a) => ops::migrate(&a).await,
+        Command::Offsets(a) => offsets::run(&a).await,
         Command::Backends => {
             out!("{}", target::listing());
             Ok(())

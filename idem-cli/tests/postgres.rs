@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{fails, ok, operator_scenario};
+use common::{fails, offsets_scenario, ok, operator_scenario};
 use idem_postgres::{PgBackend, PgConfig};
 
 fn fresh_schema() -> String {
@@ -34,6 +34,7 @@ async fn operator_commands_on_postgres() {
         .await
         .expect("connect to IDEM_POSTGRES_URL");
     operator_scenario(&url, Arc::new(backend.clone()), "orders").await;
+    offsets_scenario(&url, Arc::new(backend.clone()), "ledger-writer").await;
 
     let drop = format!("DROP SCHEMA \"{schema}\" CASCADE");
     sqlx::query(sqlx::AssertSqlSafe(drop))

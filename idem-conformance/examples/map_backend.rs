@@ -8,6 +8,9 @@
 //! `IDEM_CONFORMANCE_BREAK=1` the backend grants every claim as if the key were new, and
 //! the suite fails it, naming the invariants it breaks.
 
+// Built as a program too (`cargo build --examples`), where only `main` is used.
+#![cfg_attr(not(test), allow(dead_code))]
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

@@ -23,6 +23,6 @@ pub use handler::{Context, HandlerError};
 pub use key::{Fingerprint, Key, MAX_ID_BYTES, MAX_NAMESPACE_BYTES};
 pub use memory::MemoryBackend;
 pub use record::{ClaimKind, FailureKind, Lease, Record, State, Timestamp};
-pub use transactional::Transactional;
+pub use transactional::{Offsets, Transactional};
 
 pub use bytes::Bytes;

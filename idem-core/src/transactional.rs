@@ -28,6 +28,19 @@ pub struct OffsetPosition {
     pub offset: i64,
 }
 
+impl OffsetPosition {
+    /// The position of the message before `next`: storing it makes `next.next_offset` the
+    /// group's next offset for the partition.
+    pub fn before(group: &str, next: &StoredOffset) -> Self {
+        OffsetPosition {
+            group: group.to_owned(),
+            topic: next.topic.clone(),
+            partition: next.partition,
+            offset: next.next_offset.saturating_sub(1),
+        }
+    }
+}
+
 /// A stored next offset, for seeking on partition assignment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredOffset {
@@ -37,6 +50,32 @@ pub struct StoredOffset {
     pub partition: i32,
     /// The next offset to read.
     pub next_offset: i64,
+}
+
+/// The consumer offsets a transactional store keeps, read and moved by an operator
+/// (`idem offsets show|reset`). Object safe, unlike [`Transactional`]; a store's driver
+/// hands it out through [`Store::offsets`](crate::backend::driver::Store::offsets).
+///
+/// A consumer reads its group's stored offsets when it is assigned partitions, and writes
+/// them as it settles: move them only while the group's consumers are stopped.
+#[async_trait]
+pub trait Offsets: Send + Sync {
+    /// The next offsets stored for `group`, by topic and partition.
+    async fn offsets(&self, group: &str) -> Result<Vec<StoredOffset>>;
+
+    /// Makes `to.next_offset` the group's next offset for `to`'s partition, replacing what
+    /// is stored (forward or back).
+    async fn set_offset(&self, group: &str, to: &StoredOffset) -> Result<()>;
+
+    /// Removes the group's stored offsets of `topic` (every topic when `None`) and
+    /// `partition` (every partition when `None`), so a consumer starts those partitions
+    /// from the offsets committed to Kafka; returns how many were removed.
+    async fn delete_offsets(
+        &self,
+        group: &str,
+        topic: Option<&str>,
+        partition: Option<i32>,
+    ) -> Result<u64>;
 }
 
 /// A [`Backend`] whose records commit with the handler's writes and the consumer's offset

@@ -151,6 +151,9 @@ impl Store for MySqlStore {
             table,
         }))
     }
+    fn offsets(&self) -> Option<Arc<dyn idem_core::Offsets>> {
+        Some(Arc::new(self.backend.clone()))
+    }
     async fn close(self: Box<Self>) -> Result<()> {
         if let (true, Some(schema)) = (self.isolated, self.backend.schema()) {
             let drop = format!("DROP DATABASE IF EXISTS `{schema}`");

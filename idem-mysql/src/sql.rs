@@ -186,6 +186,7 @@ impl Tables {
         if state {
             s.push_str(" AND state = ?");
         }
+        s.push_str(" ORDER BY namespace, id");
         if limit {
             s.push_str(" LIMIT ?");
         }
@@ -197,6 +198,16 @@ impl Tables {
         format!(
             "INSERT INTO {} (consumer_group, topic, kafka_partition, next_offset) \
              VALUES (?, ?, ?, ?) ON DUPLICATE KEY UPDATE next_offset = VALUES(next_offset)",
+            self.offsets
+        )
+    }
+
+    /// Removes a group's stored offsets; the topic and partition conditions are each
+    /// bound twice (`NULL` matches all).
+    pub fn delete_offsets(&self) -> String {
+        format!(
+            "DELETE FROM {} WHERE consumer_group = ? AND (? IS NULL OR topic = ?) \
+             AND (? IS NULL OR kafka_partition = ?)",
             self.offsets
         )
     }

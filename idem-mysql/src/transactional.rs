@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use idem_core::backend::tx::{self, Savepoint, TxStore};
 use idem_core::backend::{Claim, OffsetPosition, Settlement, StoredOffset, TxFuture, machine};
-use idem_core::{Lease, Outcome, Result, Transactional};
+use idem_core::{Lease, Offsets, Outcome, Result, Transactional};
 use sqlx::{AssertSqlSafe, MySql, Row};
 
 use crate::backend::MySqlBackend;
@@ -195,5 +195,35 @@ impl Transactional for MySqlBackend {
                 })
             })
             .collect()
+    }
+}
+
+/// What `idem offsets` reads and moves: the `idem_offsets` rows of a group.
+#[async_trait::async_trait]
+impl Offsets for MySqlBackend {
+    async fn offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
+        self.stored_offsets(group).await
+    }
+
+    async fn set_offset(&self, group: &str, to: &StoredOffset) -> Result<()> {
+        self.store_offset(&OffsetPosition::before(group, to)).await
+    }
+
+    async fn delete_offsets(
+        &self,
+        group: &str,
+        topic: Option<&str>,
+        partition: Option<i32>,
+    ) -> Result<u64> {
+        let query = sqlx::query(AssertSqlSafe(self.tables.delete_offsets()))
+            .bind(group)
+            .bind(topic)
+            .bind(topic)
+            .bind(partition)
+            .bind(partition);
+        let done = self
+            .timed("delete offsets", query.execute(&self.pool))
+            .await?;
+        Ok(done.rows_affected())
     }
 }

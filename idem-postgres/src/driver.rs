@@ -153,6 +153,9 @@ impl Store for PgStore {
             },
         }))
     }
+    fn offsets(&self) -> Option<Arc<dyn idem_core::Offsets>> {
+        Some(Arc::new(self.backend.clone()))
+    }
     async fn close(self: Box<Self>) -> Result<()> {
         if self.isolated {
             let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema());

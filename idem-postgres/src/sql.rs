@@ -170,6 +170,7 @@ pub(crate) struct Statements {
     pub list: Stmt,
     pub store_offset: Stmt,
     pub offsets: Stmt,
+    pub delete_offsets: Stmt,
 }
 
 impl Statements {
@@ -197,6 +198,7 @@ impl Statements {
             list: s(include_str!("../sql/list.sql")),
             store_offset: s(include_str!("../sql/store_offset.sql")),
             offsets: s(include_str!("../sql/offsets.sql")),
+            delete_offsets: s(include_str!("../sql/delete_offsets.sql")),
         }
     }
 }

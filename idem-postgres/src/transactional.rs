@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::backend::tx::{self, Savepoint, TxStore};
 use idem_core::backend::{Claim, ClaimOutcome, OffsetPosition, Settlement, StoredOffset, TxFuture};
-use idem_core::{Error, Lease, Outcome, Result, Transactional};
+use idem_core::{Error, Lease, Offsets, Outcome, Result, Transactional};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::backend::{PLANNING, PgBackend, PgQuery, check_fence, fenced, millis};
@@ -109,6 +109,34 @@ impl Transactional for PgBackend {
                 })
             })
             .collect()
+    }
+}
+
+/// What `idem offsets` reads and moves: the `idem_offsets` rows of a group.
+#[async_trait::async_trait]
+impl Offsets for PgBackend {
+    async fn offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
+        self.stored_offsets(group).await
+    }
+
+    async fn set_offset(&self, group: &str, to: &StoredOffset) -> Result<()> {
+        self.store_offset(&OffsetPosition::before(group, to)).await
+    }
+
+    async fn delete_offsets(
+        &self,
+        group: &str,
+        topic: Option<&str>,
+        partition: Option<i32>,
+    ) -> Result<u64> {
+        let query = sqlx::query(self.sql.delete_offsets.sql())
+            .bind(group)
+            .bind(topic)
+            .bind(partition);
+        let done = self
+            .timed("delete offsets", query.execute(&self.pool))
+            .await?;
+        Ok(done.rows_affected())
     }
 }
 

@@ -266,3 +266,84 @@ pub async fn operator_scenario(url: &str, backend: Arc<dyn Backend>, namespace: 
     }
     assert_eq!(inspect(url, &expired), serde_json::Value::Null);
 }
+
+/// `idem offsets show --json` of `group`: (topic, partition, next offset), sorted.
+fn shown_offsets(url: &str, group: &str) -> Vec<(String, i64, i64)> {
+    let out = ok(&["offsets", "show", "-b", url, "-g", group, "--json"]);
+    let json: serde_json::Value = serde_json::from_str(&out).expect("offsets show --json is JSON");
+    let mut rows: Vec<(String, i64, i64)> = json
+        .as_array()
+        .expect("a JSON array")
+        .iter()
+        .map(|o| {
+            (
+                o["topic"].as_str().expect("topic").to_owned(),
+                o["partition"].as_i64().expect("partition"),
+                o["next_offset"].as_i64().expect("next_offset"),
+            )
+        })
+        .collect();
+    rows.sort();
+    rows
+}
+
+/// `idem offsets show|reset` against a transactional store at `url`, with `offsets` (the
+/// same store) to seed and read them; `group` is the test's own.
+pub async fn offsets_scenario(url: &str, offsets: Arc<dyn idem_core::Offsets>, group: &str) {
+    let out = ok(&["offsets", "show", "-b", url, "-g", group]);
+    assert!(out.contains("no offsets stored"), "{out}");
+
+    let other = format!("{group}-other");
+    for (g, topic, partition, next) in [
+        (group, "payments", 0, 40),
+        (group, "payments", 1, 7),
+        (group, "refunds", 0, 3),
+        (other.as_str(), "payments", 0, 99),
+    ] {
+        let to = idem_core::backend::StoredOffset {
+            topic: topic.into(),
+            partition,
+            next_offset: next,
+        };
+        offsets.set_offset(g, &to).await.expect("seed an offset");
+    }
+    let out = ok(&["offsets", "show", "-b", url, "-g", group]);
+    assert!(out.contains("payments") && out.contains("40"), "{out}");
+    assert_eq!(
+        shown_offsets(url, group),
+        [
+            ("payments".into(), 0, 40),
+            ("payments".into(), 1, 7),
+            ("refunds".into(), 0, 3)
+        ]
+    );
+
+    // Moving one partition back: refused without --yes, then done.
+    let to = [
+        "offsets", "reset", "-b", url, "-g", group, "-t", "payments", "-p", "0", "--to", "5",
+    ];
+    let err = fails(&to, 2);
+    assert!(err.contains("refusing to store 5"), "{err}");
+    assert!(ok(&[&to[..], &["--yes"]].concat()).contains("offset 5"));
+    assert_eq!(shown_offsets(url, group)[0], ("payments".into(), 0, 5));
+
+    // --to names one partition.
+    let err = fails(
+        &["offsets", "reset", "-b", url, "-g", group, "--to", "5", "--yes"],
+        2,
+    );
+    assert!(err.contains("--topic and --partition"), "{err}");
+
+    // Deleting a topic's offsets, then the rest; the other group keeps its own.
+    let out = ok(&[
+        "offsets", "reset", "-b", url, "-g", group, "-t", "payments", "--delete", "--yes",
+    ]);
+    assert!(out.contains("deleted 2"), "{out}");
+    assert_eq!(shown_offsets(url, group), [("refunds".into(), 0, 3)]);
+    let out = ok(&["offsets", "reset", "-b", url, "-g", group, "--delete", "--yes"]);
+    assert!(out.contains("deleted 1"), "{out}");
+    assert!(shown_offsets(url, group).is_empty());
+    let left = offsets.offsets(&other).await.expect("read the other group");
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].next_offset, 99);
+}

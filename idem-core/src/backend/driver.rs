@@ -103,6 +103,12 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// Removes the place [`Options::isolate`] made (and what the raw baseline wrote
     /// there); nothing for a store opened without isolation.
     async fn close(self: Box<Self>) -> Result<()>;
+
+    /// The consumer offsets the store keeps in transactional mode; `None` (the default)
+    /// for a store without that mode.
+    fn offsets(&self) -> Option<Arc<dyn crate::Offsets>> {
+        None
+    }
 }
 
 /// A store's plain writes, with no state machine around them: what a bench measures idem
