@@ -15,7 +15,7 @@
 -- P nothing. Redis drops a key at the first millisecond past its PEXPIRETIME, so a record
 -- live until x (idem_core::machine::is_live) has PEXPIRETIME x - 1.
 --
--- load.lua follows it: whole records, in this layout and the first one.
+-- load.lua follows it: whole records.
 
 local function now_ms()
   local t = redis.call('TIME')

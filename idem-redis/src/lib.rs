@@ -14,7 +14,6 @@ mod library;
 mod notify;
 mod record;
 mod settle;
-mod v1;
 
 pub use backend::RedisBackend;
 pub use config::RedisConfig;

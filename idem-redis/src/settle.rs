@@ -155,9 +155,10 @@ impl RedisBackend {
     /// each, then one `PUBLISH` of their keys (joined by NUL, as the settle function
     /// announces them). Which landed; the rest are for the function: a record other than
     /// the one named (fenced, or one this client cannot name: another retention, a retry
-    /// that kept an older fingerprint, the first layout), an item that is not a complete,
-    /// a cluster, or a server without `IFEQ` (remembered at its first syntax error). The
-    /// caller passes each key once: a key's later item must see its earlier one's write.
+    /// that kept an older fingerprint, a value idem did not write), an item that is not a
+    /// complete, a cluster, or a server without `IFEQ` (remembered at its first syntax
+    /// error). The caller passes each key once: a key's later item must see its earlier
+    /// one's write.
     pub(crate) async fn swap(
         &self,
         keys: &[String],

@@ -2,7 +2,7 @@
 //! complete is one `FCALL` of the idem library (no `EVALSHA`) on Redis 7, where the first
 //! complete's `SET … IFEQ` is refused once, and one `SET … IFEQ` on Valkey 8.1, the
 //! deadline of a fast-path lease lives in the server's expiry (so the server's clock decides
-//! its lapse), and records of the first layout are still read.
+//! its lapse), and a value in an earlier layout is not read as a record.
 
 mod common;
 
@@ -418,49 +418,58 @@ async fn plant(backend: &RedisBackend, key: &Key, value: &str) {
         .expect("plant a record");
 }
 
-/// Records the first version wrote are read, answered from, and rewritten in the new
-/// layout by the claim that changes them; a lease the first version granted is fenced.
+/// Values in the layout idem wrote before its first release (lowercase state, deadlines
+/// inside) are not idem records: `get`, a claim (decoded from `SET NX`'s reply), a key
+/// claimed twice in a batch (the claim function) and a complete (the settle function) are
+/// `Corrupt`, naming the key, and nothing is rewritten.
 #[tokio::test]
-async fn records_of_the_first_layout_are_read_and_migrated() {
+async fn values_in_the_first_layout_are_not_records() {
     let backend = connect(standalone_config()).await;
     let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
     let far = server_now(&mut conn).await + 3_600_000;
-    let (done, lapsed, live) = (key("done"), key("lapsed"), key("live"));
-    plant(&backend, &done, &format!("c3,2,,{far},0,1,0,2,;wok")).await;
-    plant(&backend, &lapsed, &format!("p4,1,1,{far},0,1,0,,;w")).await;
-    plant(&backend, &live, &format!("p1,1,{far},{far},0,1,0,,;w")).await;
-
-    let rec = backend.get(&done).await.expect("get").expect("record");
-    assert_eq!(
-        (rec.state, rec.token, rec.attempts),
-        (State::Completed, 3, 2)
-    );
-    let replay = backend.claim(&claim(&done, "v")).await.expect("claim");
-    assert_eq!(replay, ClaimOutcome::Completed(Bytes::from_static(b"ok")));
-
-    let taken = acquired(backend.claim(&claim(&lapsed, "v")).await.expect("claim"));
-    assert_eq!((taken.token, taken.attempts), (5, 2));
-    let raw_value: Vec<u8> = redis::cmd("GET")
-        .arg(backend.record_key(&lapsed))
-        .query_async(&mut conn)
-        .await
-        .expect("GET");
-    assert!(raw_value.starts_with(b"P5:1:v"), "{raw_value:?}");
-
-    let answer = backend.claim(&claim(&live, "v")).await.expect("claim");
-    assert!(
-        matches!(answer, ClaimOutcome::InProgress { .. }),
-        "{answer:?}"
-    );
-    let old = Lease {
-        key: live.clone(),
-        owner: "w".into(),
-        token: 1,
-        attempts: 1,
-        lease_until: Timestamp::from_millis(far),
-        kind: ClaimKind::First,
-        fingerprint: None,
-    };
-    let res = backend.complete(&old, Bytes::from_static(b"x"), HOUR).await;
-    assert!(matches!(res, Err(Error::Fenced { .. })), "{res:?}");
+    let (done, live) = (key("done"), key("live"));
+    let values = [
+        (&done, format!("c3,2,,{far},0,1,0,2,;wok")),
+        (&live, format!("p1,1,{far},{far},0,1,0,,;w")),
+    ];
+    for (k, value) in &values {
+        plant(&backend, k, value).await;
+    }
+    for (k, value) in &values {
+        let at = backend.record_key(k);
+        let corrupt = |what: &str, res: Result<(), Error>| match res {
+            Err(Error::Corrupt { message, .. }) => assert!(
+                message.contains("not an idem record")
+                    && (message.contains(&k.to_string()) || message.contains(&at)),
+                "{what}: {message}"
+            ),
+            other => panic!("{what}: expected Corrupt, got {other:?}"),
+        };
+        corrupt("get", backend.get(k).await.map(|_| ()));
+        corrupt("claim", backend.claim(&claim(k, "v")).await.map(|_| ()));
+        let twice = [claim(k, "v"), claim(k, "v")];
+        corrupt(
+            "claim function",
+            backend.claim_many(&twice).await.map(|_| ()),
+        );
+        let lease = Lease {
+            key: (*k).clone(),
+            owner: "w".into(),
+            token: 1,
+            attempts: 1,
+            lease_until: Timestamp::from_millis(far),
+            kind: ClaimKind::First,
+            fingerprint: None,
+        };
+        let res = backend
+            .complete(&lease, Bytes::from_static(b"x"), HOUR)
+            .await;
+        corrupt("complete", res);
+        let kept: String = redis::cmd("GET")
+            .arg(&at)
+            .query_async(&mut conn)
+            .await
+            .expect("GET");
+        assert_eq!(&kept, value);
+    }
 }
