@@ -55,7 +55,8 @@ pub async fn inspect(args: &InspectArgs) -> Result<()> {
     Ok(())
 }
 
-/// `idem list`: records passing the filter; `--stuck` keeps lapsed leases only.
+/// `idem list`: records passing the filter; `--stuck` keeps lapsed leases only. Entries the
+/// store skipped as not idem records are counted after the table (on stderr with `--json`).
 pub async fn list(args: &ListArgs) -> Result<()> {
     if args.stuck && args.state.is_some_and(|s| s != StateArg::Processing) {
         return Err(Error::Usage(
@@ -93,7 +94,23 @@ pub async fn list(args: &ListArgs) -> Result<()> {
             args.limit.saturating_add(1)
         },
     };
-    let mut records = backend.list(&filter).await.store("list records")?;
+    let listing = backend.list(&filter).await.store("list records")?;
+    let skipped = listing.skipped.first().map(|first| {
+        let (n, plural) = (listing.skipped_total, listing.skipped_total != 1);
+        let (entries, are, records) = if plural {
+            ("entries", "are", "idem records")
+        } else {
+            ("entry", "is", "an idem record")
+        };
+        let place = if target.kind() == "redis" {
+            "under the key prefix"
+        } else {
+            "in the table"
+        };
+        let (key, why) = (&first.key, &first.reason);
+        format!("skipped {n} {entries} {place} that {are} not {records} (first: {key:?}: {why})")
+    });
+    let mut records = listing.records;
     let now = Timestamp::now();
     if args.stuck {
         records.retain(|r| !machine::lease_is_live(r, now));
@@ -112,7 +129,11 @@ pub async fn list(args: &ListArgs) -> Result<()> {
             eprintln!("idem: {} record(s) shown; {more}", records.len());
         }
         let views: Vec<RecordView> = records.iter().map(|r| RecordView::new(r, now)).collect();
-        return print_json(&views);
+        print_json(&views)?;
+        if let Some(line) = skipped {
+            eprintln!("idem: {line}");
+        }
+        return Ok(());
     }
     if records.is_empty() {
         out!("no records match");
@@ -123,6 +144,9 @@ pub async fn list(args: &ListArgs) -> Result<()> {
         } else {
             out!("{} record(s)", records.len());
         }
+    }
+    if let Some(line) = skipped {
+        out!("{line}");
     }
     Ok(())
 }

@@ -11,7 +11,7 @@ use hashbrown::hash_table::Entry;
 
 use crate::backend::watch::{self, Watch, Watchers};
 use crate::backend::{
-    Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, check_response, machine,
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, Settlement, check_response, machine,
 };
 use crate::clock::{Clock, SystemClock};
 use crate::{Backend, Error, Key, Lease, Record, Result, Timestamp};
@@ -259,7 +259,8 @@ impl Backend for MemoryBackend {
         Ok(purged)
     }
 
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    /// Holds only records idem wrote: nothing is ever skipped.
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
         let now = self.clock.now();
         let limit = if filter.limit == 0 {
             usize::MAX
@@ -280,7 +281,7 @@ impl Backend for MemoryBackend {
                 break;
             }
         }
-        Ok(out)
+        Ok(Listing::of(out))
     }
 
     async fn watch(&self, key: &Key) -> Watch {

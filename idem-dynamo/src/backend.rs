@@ -25,7 +25,8 @@ use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
 use aws_smithy_http_client::tls;
 use futures::{StreamExt, TryStreamExt, stream};
 use idem_core::backend::{
-    Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, group_by, machine, millis, per_item,
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, Settlement, group_by, machine, millis,
+    per_item,
 };
 use idem_core::clock::{Clock, SystemClock};
 use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
@@ -172,17 +173,17 @@ impl DynamoBackend {
         HashMap::from([(item::PK.to_owned(), s(item::partition_key(key)))])
     }
 
-    /// Every item a scan with `filter` (bound to `values`) returns, page by page.
+    /// The items a scan with `filter` (bound to `values`) returns, handed to `page` a page
+    /// at a time until it answers false or the table ends.
     async fn scan(
         &self,
         filter: &str,
         values: HashMap<String, AttributeValue>,
-        limit: usize,
-    ) -> Result<Vec<Item>> {
-        let mut out = Vec::new();
+        mut page: impl FnMut(Vec<Item>) -> Result<bool>,
+    ) -> Result<()> {
         let mut start: Option<Item> = None;
         loop {
-            let page = self
+            let found = self
                 .inner
                 .client
                 .scan()
@@ -195,10 +196,10 @@ impl DynamoBackend {
                 .send()
                 .await
                 .map_err(|e| sdk_error("scan", 0, e))?;
-            out.extend(page.items.unwrap_or_default());
-            match page.last_evaluated_key {
-                Some(next) if !next.is_empty() && out.len() < limit => start = Some(next),
-                _ => return Ok(out),
+            let more = page(found.items.unwrap_or_default())?;
+            match found.last_evaluated_key {
+                Some(next) if !next.is_empty() && more => start = Some(next),
+                _ => return Ok(()),
             }
         }
     }
@@ -305,7 +306,12 @@ impl Backend for DynamoBackend {
     async fn purge_expired(&self) -> Result<u64> {
         let t = self.now();
         let values = HashMap::from([(":now".to_owned(), n(t.decide.as_millis()))]);
-        let expired = self.scan(expr::EXPIRED, values, usize::MAX).await?;
+        let mut expired = Vec::new();
+        self.scan(expr::EXPIRED, values, |items| {
+            expired.extend(items);
+            Ok(true)
+        })
+        .await?;
         let mut purged = 0;
         for found in expired {
             let Some(pk) = found.get(item::PK).cloned() else {
@@ -337,8 +343,10 @@ impl Backend for DynamoBackend {
     }
 
     /// A scan of the whole table, filtered in DynamoDB; paid for by the items scanned, not
-    /// the items returned. An operator's tool.
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    /// the items returned. An operator's tool. An item that does not decode is skipped and
+    /// counted, named by its partition key; one without a live `exp_ms` is filtered out by
+    /// DynamoDB, unseen.
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
         let t = self.now();
         let mut parts = vec![expr::LIVE];
         let mut values = HashMap::from([(":now".to_owned(), n(t.decide.as_millis()))]);
@@ -355,8 +363,18 @@ impl Backend for DynamoBackend {
         } else {
             filter.limit
         };
-        let items = self.scan(&parts.join(" AND "), values, limit).await?;
-        items.iter().take(limit).map(item::decode).collect()
+        let mut listing = Listing::default();
+        self.scan(&parts.join(" AND "), values, |items| {
+            for found in &items {
+                if listing.records.len() >= limit {
+                    break;
+                }
+                listing.add(|| item::name(found), item::decode(found))?;
+            }
+            Ok(listing.records.len() < limit)
+        })
+        .await?;
+        Ok(listing)
     }
 
     fn capabilities(&self) -> Capabilities {

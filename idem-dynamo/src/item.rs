@@ -180,6 +180,14 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The partition key of `item`, to name an item that does not decode (`?` without one).
+pub(crate) fn name(item: &Item) -> String {
+    match item.get(PK) {
+        Some(AttributeValue::S(pk)) => pk.clone(),
+        _ => "?".to_owned(),
+    }
+}
+
 /// The record `item` stores, or [`Error::Corrupt`] naming what does not decode.
 pub(crate) fn decode(item: &Item) -> Result<Record> {
     let r = Reader::new(item)?;

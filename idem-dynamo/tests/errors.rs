@@ -7,9 +7,10 @@ mod common;
 
 use std::time::Duration;
 
+use aws_sdk_dynamodb::types::AttributeValue;
 use bytes::Bytes;
 use idem_conformance::acquire;
-use idem_core::backend::Claim;
+use idem_core::backend::{Claim, ListFilter};
 use idem_core::{Backend, Error, FailureKind, Fingerprint, Key};
 use idem_dynamo::{DynamoBackend, DynamoConfig, ITEM_LIMIT_BYTES};
 
@@ -131,4 +132,49 @@ async fn durations_of_duration_max_connect_and_claim() {
         matches!(res, idem_core::backend::ClaimOutcome::Acquired(_)),
         "{res:?}"
     );
+}
+
+/// An item idem did not write, live (`exp_ms` ahead) but without its state, owner, token
+/// and attempts, among a namespace's records: the listing skips and counts it, naming its
+/// partition key, and lists the records; a limit counts records.
+#[tokio::test]
+async fn a_listing_skips_and_counts_an_item_that_does_not_decode() {
+    let table = "idem_errors";
+    let b = common::backend(table).await;
+    let ns = idem_conformance::unique_namespace();
+    let far = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis()
+        + 3_600_000;
+    let pk = format!("{ns}/foreign");
+    b.client()
+        .put_item()
+        .table_name(table)
+        .item("pk", AttributeValue::S(pk.clone()))
+        .item("exp_ms", AttributeValue::N(far.to_string()))
+        .send()
+        .await
+        .expect("plant a foreign item");
+    for id in ["a", "b"] {
+        let key = Key::new(ns.clone(), id).expect("key");
+        acquire(&b, &claim_of(&key, "w")).await;
+    }
+    let filter = ListFilter {
+        namespace: Some(ns.clone()),
+        ..ListFilter::default()
+    };
+    let listing = b.list(&filter).await.expect("list");
+    let mut ids: Vec<&str> = listing.records.iter().map(|r| r.key.id()).collect();
+    ids.sort();
+    assert_eq!(ids, ["a", "b"]);
+    assert_eq!(listing.skipped_total, 1);
+    assert_eq!(listing.skipped[0].key, pk);
+    assert!(
+        listing.skipped[0].reason.contains("is missing"),
+        "{:?}",
+        listing.skipped
+    );
+    let one = ListFilter { limit: 1, ..filter };
+    assert_eq!(b.list(&one).await.expect("list").records.len(), 1);
 }

@@ -6,14 +6,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement};
+use idem_core::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, Settlement, list_limited,
+};
 use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlSslMode};
 use sqlx::{AssertSqlSafe, Executor};
 
 use crate::config::MySqlConfig;
 use crate::error::{first_contact, map, within};
-use crate::row::decode;
+use crate::row::{decode, row_key};
 use crate::sql::Tables;
 
 /// What every connection of idem's pool runs first: read committed, so that a claim's
@@ -182,24 +184,30 @@ impl Backend for MySqlBackend {
         }
     }
 
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
-        let sql = self.tables.list(
-            filter.namespace.is_some(),
-            filter.state.is_some(),
-            filter.limit > 0,
-        );
-        let mut query = sqlx::query(AssertSqlSafe(sql));
-        if let Some(ns) = &filter.namespace {
-            query = query.bind(ns.as_bytes());
-        }
-        if let Some(state) = filter.state {
-            query = query.bind(state.as_str());
-        }
-        if filter.limit > 0 {
-            query = query.bind(i64::try_from(filter.limit).unwrap_or(i64::MAX));
-        }
-        let rows = self.timed("list", query.fetch_all(&self.pool)).await?;
-        rows.iter().map(decode).collect()
+    /// In primary key order, so that a row that does not decode (skipped and counted,
+    /// named by its namespace and id) is read again, not lost, when the query runs again
+    /// for the records the limit still wants ([`list_limited`]).
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
+        let fetch = |n: usize| {
+            let sql = self
+                .tables
+                .list(filter.namespace.is_some(), filter.state.is_some(), n > 0);
+            let mut query = sqlx::query(AssertSqlSafe(sql));
+            if let Some(ns) = &filter.namespace {
+                query = query.bind(ns.as_bytes());
+            }
+            if let Some(state) = filter.state {
+                query = query.bind(state.as_str());
+            }
+            if n > 0 {
+                query = query.bind(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+            self.timed("list", query.fetch_all(&self.pool))
+        };
+        list_limited(filter.limit, fetch, |row, listing| {
+            listing.add(|| row_key(row), decode(row))
+        })
+        .await
     }
 
     /// No `notify`: MySQL has no LISTEN/NOTIFY, so a waiting engine polls (the default

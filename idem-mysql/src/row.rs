@@ -15,6 +15,16 @@ fn text(row: &MySqlRow, column: &str, what: &str) -> Result<Option<String>> {
         .transpose()
 }
 
+/// A row's namespace and id, `namespace/id` (invalid UTF-8 replaced), to name a row that
+/// does not decode.
+pub(crate) fn row_key(row: &MySqlRow) -> String {
+    let part = |name| {
+        let bytes: Option<Vec<u8>> = row.try_get(name).ok().flatten();
+        String::from_utf8_lossy(&bytes.unwrap_or_else(|| b"?".to_vec())).into_owned()
+    };
+    format!("{}/{}", part("namespace"), part("id"))
+}
+
 /// Decodes a row of the record columns; anything that is not an idem record is `Corrupt`.
 pub(crate) fn decode(row: &MySqlRow) -> Result<Record> {
     let what = "decode record";

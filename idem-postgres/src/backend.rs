@@ -10,7 +10,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::backend::watch::Feed;
 use idem_core::backend::{
-    Capabilities, Claim, ClaimOutcome, ListFilter, Settle, Settlement, check_response, watch::Watch,
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, Settle, Settlement, check_response,
+    list_limited, watch::Watch,
 };
 use idem_core::{
     Backend, Error, FailureKind, Fingerprint, Key, Lease, Record, Result, State, Timestamp,
@@ -283,6 +284,12 @@ pub(crate) fn decode(row: &PgRow) -> Result<Record> {
     })
 }
 
+/// A row's namespace and id, `namespace/id`, to name a row that does not decode.
+fn row_key(row: &PgRow) -> String {
+    let part = |name| row.try_get::<&str, _>(name).unwrap_or("?");
+    format!("{}/{}", part("namespace"), part("id"))
+}
+
 #[async_trait]
 impl Backend for PgBackend {
     /// One statement per batch; answers are those of claims made one after another. A key
@@ -381,14 +388,22 @@ impl Backend for PgBackend {
         }
     }
 
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
-        let limit = (filter.limit > 0).then(|| i64::try_from(filter.limit).unwrap_or(i64::MAX));
-        let query = sqlx::query(self.sql.list.sql())
-            .bind(filter.namespace.as_deref())
-            .bind(filter.state.map(State::as_str))
-            .bind(limit);
-        let rows = self.timed("list", query.fetch_all(&self.pool)).await?;
-        rows.iter().map(decode).collect()
+    /// In primary key order, so that a row that does not decode (skipped and counted,
+    /// named by its namespace and id) is read again, not lost, when the query runs again
+    /// for the records the limit still wants ([`list_limited`]).
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
+        let fetch = |n: usize| {
+            let limit = (n > 0).then(|| i64::try_from(n).unwrap_or(i64::MAX));
+            let query = sqlx::query(self.sql.list.sql())
+                .bind(filter.namespace.as_deref())
+                .bind(filter.state.map(State::as_str))
+                .bind(limit);
+            self.timed("list", query.fetch_all(&self.pool))
+        };
+        list_limited(filter.limit, fetch, |row: &PgRow, listing| {
+            listing.add(|| row_key(row), decode(row))
+        })
+        .await
     }
 
     async fn watch(&self, key: &Key) -> Watch {

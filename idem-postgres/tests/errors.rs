@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use idem_core::backend::Claim;
+use idem_core::backend::{Claim, ListFilter};
 use idem_core::{Backend, Error, Fingerprint, Key};
 use idem_postgres::{PgBackend, PgConfig};
 
@@ -135,4 +135,64 @@ async fn a_timeout_of_duration_max_connects_and_claims() {
             "{res:?}"
         );
     }
+}
+
+/// Rows idem did not write (an unknown state, a two-byte fingerprint) among a namespace's
+/// records: the listing skips and counts them, naming each by namespace and id, and lists
+/// the rest; a limit counts records, however many rows before them do not decode.
+#[tokio::test]
+async fn a_listing_skips_and_counts_rows_that_do_not_decode() {
+    let b = common::backend().await;
+    let ns = idem_conformance::unique_namespace();
+    let insert = format!(
+        "INSERT INTO \"{}\".idem_records (namespace, id, state, owner, token, attempts, \
+         max_attempts, claim_kind, lease_until, fingerprint, expires_at) VALUES ($1, $2, $3, \
+         'x', 1, 1, 3, 'first', now() + interval '1 hour', $4, now() + interval '2 hours')",
+        b.schema()
+    );
+    // In key order, the foreign rows come first.
+    for (id, state, fingerprint) in [
+        ("a-state", "exploded", None),
+        ("b-fingerprint", "processing", Some(vec![1u8, 2])),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(insert.clone()))
+            .bind(&ns)
+            .bind(id)
+            .bind(state)
+            .bind(fingerprint)
+            .execute(b.pool())
+            .await
+            .expect("insert a foreign row");
+    }
+    for id in ["c", "d", "e"] {
+        let key = Key::new(ns.clone(), id).expect("key");
+        idem_conformance::acquire(&b, &claim(&key)).await;
+    }
+    let filter = ListFilter {
+        namespace: Some(ns.clone()),
+        ..ListFilter::default()
+    };
+    let listing = b.list(&filter).await.expect("list");
+    let ids: Vec<&str> = listing.records.iter().map(|r| r.key.id()).collect();
+    assert_eq!(ids, ["c", "d", "e"]);
+    assert_eq!(listing.skipped_total, 2);
+    let named: Vec<String> = listing.skipped.iter().map(|s| s.key.clone()).collect();
+    assert_eq!(
+        named,
+        [format!("{ns}/a-state"), format!("{ns}/b-fingerprint")]
+    );
+    assert!(
+        listing.skipped[0].reason.contains("\"exploded\""),
+        "{:?}",
+        listing.skipped
+    );
+    assert!(
+        listing.skipped[1].reason.contains("2 bytes"),
+        "{:?}",
+        listing.skipped
+    );
+    let two = ListFilter { limit: 2, ..filter };
+    let listing = b.list(&two).await.expect("list");
+    let ids: Vec<&str> = listing.records.iter().map(|r| r.key.id()).collect();
+    assert_eq!((ids, listing.skipped_total), (vec!["c", "d"], 2));
 }

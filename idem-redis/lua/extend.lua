@@ -3,7 +3,7 @@
 -- Reply: the new lease_until (ms), or -1 if fenced.
 local function extend(keys, args)
   local key, prefix, ttl = keys[1], args[1], tonumber(args[2])
-  local v = redis.call('GET', key)
+  local v = read(key)
   if not v then return -1 end
   if string.sub(v, 1, #prefix) ~= prefix then
     check(key, v)

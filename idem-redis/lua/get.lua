@@ -1,4 +1,5 @@
--- get. keys[1]: the record. Reply: {the value (nil: none), its PEXPIRETIME}, read at once.
+-- get. keys[1]: the record. Reply: {the value (nil: none), its PEXPIRETIME}, read at once;
+-- a value of another type is IDEMCORRUPT (read()).
 local function get(keys)
-  return { redis.call('GET', keys[1]), redis.call('PEXPIRETIME', keys[1]) }
+  return { read(keys[1]), redis.call('PEXPIRETIME', keys[1]) }
 end

@@ -1,5 +1,6 @@
--- Whole records (after record.lua): reading and writing them. A string not in this layout
--- is IDEMCORRUPT, "not an idem record".
+-- Whole records (after record.lua): reading and writing them. A value that is not one is
+-- IDEMCORRUPT: a string not in this layout is "not an idem record", a value of another
+-- type "holds a Redis <type>" (read() in record.lua).
 
 -- The fields of a record in this layout (deadlines not included), or nil if v is not one.
 local function parse(key, v)
@@ -28,10 +29,10 @@ local function parse(key, v)
   return rec
 end
 
--- The record at key, or nil if there is none or it expired at now. A value of another type
--- is a WRONGTYPE error, a string that does not decode an IDEMCORRUPT one.
+-- The record at key, or nil if there is none or it expired at now. Anything else there is
+-- an IDEMCORRUPT error.
 local function load(key, now)
-  local v = redis.call('GET', key)
+  local v = read(key)
   if not v then return nil end
   local rec = parse(key, v)
   if not rec then corrupt(key, 'not an idem record') end

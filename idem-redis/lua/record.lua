@@ -22,8 +22,22 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Raises IDEMCORRUPT for the value at key, which is not an idem record. Redis appends
+-- where the error was raised (` script: <function>, on @user_function:<line>.`), which
+-- the client strips (src/error.rs).
 local function corrupt(key, why)
   error({ err = 'IDEMCORRUPT ' .. key .. ': ' .. why })
+end
+
+-- The string at key, or false if there is none. A value of another type is IDEMCORRUPT
+-- saying which type, not the WRONGTYPE a plain GET raises.
+local function read(key)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' and v.err then
+    if string.sub(v.err, 1, 9) ~= 'WRONGTYPE' then error(v) end
+    corrupt(key, 'holds a Redis ' .. redis.call('TYPE', key).ok .. ', not an idem record')
+  end
+  return v
 end
 
 -- A decimal of at most 15 digits (exact in a Lua number); '' is nil when optional.

@@ -11,17 +11,19 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::backend::watch::{Feed, Watch};
-use idem_core::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, millis};
+use idem_core::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, Settlement, millis,
+};
 use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
 use redis::cluster_routing::Slot;
 use redis::{RedisResult, Value};
 
 use crate::RedisConfig;
 use crate::conn::{Conn, Node, within};
-use crate::error::bad_reply;
+use crate::error::{bad_reply, from_redis};
 use crate::keys::Layout;
 use crate::library::{Function, Library};
-use crate::record::{Fence, decode_record, int};
+use crate::record::{Fence, decode_record, decode_string, int};
 
 pub(crate) struct Shared {
     pub(crate) config: RedisConfig,
@@ -186,13 +188,13 @@ impl Backend for RedisBackend {
     async fn get(&self, key: &Key) -> Result<Option<Record>> {
         let record = self.record_key(key);
         let mut cmd = self.shared.library.fcall(Function::Get, 1, 1, record.len());
-        cmd.arg(record);
+        cmd.arg(&record);
         match self.fcall("get", cmd).await? {
             Value::Array(mut parts) if parts.len() == 2 => {
                 let expire = parts.pop().as_ref().and_then(int);
                 let value = parts.pop().unwrap_or(Value::Nil);
                 let expire = expire.ok_or_else(|| bad_reply("get", "no expiry time"))?;
-                decode_record(key, value, expire)
+                decode_record(key, &record, value, expire)
             }
             other => Err(bad_reply("get", format!("{other:?}"))),
         }
@@ -212,8 +214,10 @@ impl Backend for RedisBackend {
     }
 
     /// `SCAN` under the prefix (on every primary of a cluster), a pipelined `GET` per
-    /// page. Not a snapshot: records written during the scan may or may not appear.
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    /// page. Not a snapshot: records written during the scan may or may not appear. A key
+    /// under the prefix that is not an idem record (a name idem does not write, a value of
+    /// another type, a string that does not decode) is skipped and counted.
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
         self.scan_records(filter).await
     }
 
@@ -239,8 +243,9 @@ const SCAN_COUNT: usize = 1000;
 
 impl RedisBackend {
     /// [`Backend::list`](idem_core::Backend::list): `SCAN` under the prefix on every node
-    /// that holds records, one pipelined `GET` and `PEXPIRETIME` per page.
-    pub(crate) async fn scan_records(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    /// that holds records, one pipelined `GET` and `PEXPIRETIME` per page; and, for a page
+    /// with keys of another type, one pipelined `TYPE` of those, to say what they hold.
+    pub(crate) async fn scan_records(&self, filter: &ListFilter) -> Result<Listing> {
         let layout = &self.shared.layout;
         let pattern = layout.pattern(filter.namespace.as_deref());
         let limit = if filter.limit == 0 {
@@ -248,23 +253,21 @@ impl RedisBackend {
         } else {
             filter.limit
         };
-        let mut out = Vec::new();
+        let mut out = Listing::default();
         for node in self.scan_nodes().await? {
             let mut cursor = 0;
             loop {
                 let (next, raw_keys) = self.scan(node.as_ref(), cursor, &pattern).await?;
                 let mut keys = Vec::with_capacity(raw_keys.len());
                 let mut pipe = redis::pipe();
-                for raw in &raw_keys {
-                    let key = layout.parse(raw).ok_or_else(|| {
-                        Error::corrupt(format!(
-                            "a key under the prefix is not an idem key: {}",
-                            String::from_utf8_lossy(raw)
-                        ))
-                    })?;
-                    pipe.cmd("GET").arg(raw);
-                    pipe.cmd("PEXPIRETIME").arg(raw);
-                    keys.push(key);
+                for raw in raw_keys {
+                    let Some(key) = layout.parse(&raw) else {
+                        out.skip(&raw, "not a key idem names");
+                        continue;
+                    };
+                    pipe.cmd("GET").arg(&raw);
+                    pipe.cmd("PEXPIRETIME").arg(&raw);
+                    keys.push((raw, key));
                 }
                 let mut conn = self.conn.clone();
                 let replies = if keys.is_empty() {
@@ -276,28 +279,73 @@ impl RedisBackend {
                     return Err(bad_reply("list", format!("{replies:?}")));
                 }
                 let mut replies = replies.into_iter();
-                for key in &keys {
+                let mut other_types = Vec::new();
+                for (raw, key) in &keys {
                     let (value, expire) = (replies.next(), replies.next());
                     let expire = expire.as_ref().and_then(int);
                     let (Some(value), Some(expire)) = (value, expire) else {
                         return Err(bad_reply("list", "a record without its expiry time"));
                     };
-                    if let Some(rec) = decode_record(key, value, expire)? {
-                        if filter.matches(&rec) {
-                            out.push(rec);
-                            if out.len() >= limit {
-                                return Ok(out);
-                            }
+                    let decoded = match value {
+                        Value::Nil => continue,
+                        Value::BulkString(v) => decode_string(key, &v, expire),
+                        Value::ServerError(e) if e.code() == "WRONGTYPE" => {
+                            other_types.push(raw);
+                            continue;
                         }
+                        Value::ServerError(e) => return Err(from_redis("list", e.into())),
+                        other => return Err(bad_reply("list", format!("{other:?}"))),
+                    };
+                    match decoded {
+                        Ok(Some(rec)) if filter.matches(&rec) && out.records.len() < limit => {
+                            out.records.push(rec);
+                        }
+                        Ok(_) => {}
+                        Err(why) => out.skip(raw, why),
                     }
                 }
+                self.skip_other_types(node.as_ref(), &other_types, &mut out)
+                    .await?;
                 cursor = next;
-                if cursor == 0 {
+                if cursor == 0 || out.records.len() >= limit {
                     break;
                 }
             }
+            if out.records.len() >= limit {
+                break;
+            }
         }
         Ok(out)
+    }
+
+    /// Counts the keys `raw` on `node`, whose `GET` found a value of another type, as
+    /// skipped, each with the type it holds (a key gone since is not counted).
+    async fn skip_other_types(
+        &self,
+        node: Option<&Node>,
+        raw: &[&Vec<u8>],
+        out: &mut Listing,
+    ) -> Result<()> {
+        if raw.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for key in raw {
+            pipe.cmd("TYPE").arg(key.as_slice());
+        }
+        let mut conn = self.conn.clone();
+        let types = self.call("list", conn.pipe_on(node, pipe)).await?;
+        if types.len() != raw.len() {
+            return Err(bad_reply("list", format!("TYPE: {types:?}")));
+        }
+        for (key, kind) in raw.iter().zip(types) {
+            match kind {
+                Value::SimpleString(kind) if kind == "none" => {}
+                Value::SimpleString(kind) => out.skip(key, format_args!("holds a Redis {kind}")),
+                other => return Err(bad_reply("list", format!("TYPE: {other:?}"))),
+            }
+        }
+        Ok(())
     }
 
     /// The primaries of a cluster, each once; `[None]` standalone.

@@ -144,8 +144,10 @@ impl RedisBackend {
             };
             out.push(match found {
                 Some(Value::Nil) => Some(granted(c, expire)),
+                // A value of another type: the function names its type in the error.
+                Some(Value::ServerError(e)) if e.code() == "WRONGTYPE" => None,
                 Some(Value::ServerError(e)) => return Err(from_redis("claim", e.into())),
-                Some(v) => settled(c, v, expire)?,
+                Some(v) => settled(c, &keys[i], v, expire)?,
                 None => return Err(bad_reply("claim", "no reply")),
             });
         }
@@ -232,8 +234,8 @@ fn server_time(reply: Option<Value>) -> Result<u64> {
 /// The answer to `claim` from the record `SET NX` found, where it needs neither the clock
 /// nor a write: a completed or failed record's `Completed`, `Poisoned` or `Mismatch`.
 /// `None` (the function decides) for a `Processing` record, a retry, or a record gone.
-fn settled(claim: &Claim, found: Value, expire: i64) -> Result<Option<ClaimOutcome>> {
-    let Some(rec) = decode_record(&claim.key, found, expire)? else {
+fn settled(claim: &Claim, at: &str, found: Value, expire: i64) -> Result<Option<ClaimOutcome>> {
+    let Some(rec) = decode_record(&claim.key, at, found, expire)? else {
         return Ok(None);
     };
     if rec.state == State::Processing {

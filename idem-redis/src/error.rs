@@ -10,6 +10,11 @@ const CORRUPT_CODE: &str = "IDEMCORRUPT";
 /// functions' `IDEMCORRUPT`, a foreign type's `WRONGTYPE`, a reply of the wrong shape) are
 /// [`Error::Corrupt`]; everything else (refused, reset, timed out, cluster moving, server
 /// busy or out of memory) is [`Error::Unavailable`], which callers retry later.
+///
+/// An `IDEMCORRUPT` names the key and what it holds (`<key>: holds a Redis hash, not an
+/// idem record`), and is the message as it is; what Redis appends to an error a function
+/// raised (`script: <function>, on @user_function:<line>.`) is dropped from every message,
+/// and so is the driver's error, which repeats it, as the source.
 pub(crate) fn from_redis(what: &str, err: RedisError) -> Error {
     let corrupt = matches!(err.code(), Some(CORRUPT_CODE | "WRONGTYPE"))
         || matches!(
@@ -17,12 +22,33 @@ pub(crate) fn from_redis(what: &str, err: RedisError) -> Error {
             ErrorKind::Parse | ErrorKind::UnexpectedReturnType
         );
     if corrupt {
-        Error::Corrupt {
-            message: format!("{what}: {}", err.detail().unwrap_or(err.category())),
-            source: Some(Box::new(err)),
-        }
+        let raw = err.detail().unwrap_or(err.category());
+        let detail = without_script(raw);
+        let ours = err.code() == Some(CORRUPT_CODE);
+        let message = if ours {
+            detail.to_owned()
+        } else {
+            format!("{what}: {detail}")
+        };
+        // The driver's error repeats the message with the function's place in it: kept
+        // only where it adds something.
+        let source: Option<idem_core::BoxError> = if ours || detail.len() < raw.len() {
+            None
+        } else {
+            Some(Box::new(err))
+        };
+        Error::Corrupt { message, source }
     } else {
         Error::unavailable(format!("{what}: {}", err.category()), err)
+    }
+}
+
+/// `detail` without the place Redis appends to an error raised in a function or a script:
+/// ` script: <name>, on @user_function:<line>.` (`@user_script` for `EVAL`).
+fn without_script(detail: &str) -> &str {
+    match detail.rfind(" script: ") {
+        Some(at) if detail[at..].contains(", on @user_") => detail[..at].trim_end(),
+        _ => detail,
     }
 }
 
@@ -114,4 +140,23 @@ fn chain_text(err: &RedisError) -> String {
         source = s.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_place_a_function_raised_an_error_is_dropped() {
+        let detail = "idem:{2:ns:id}: holds a Redis hash, not an idem record script: \
+                      idem_v2_0123456789abcdef_get, on @user_function:12.";
+        assert_eq!(
+            without_script(detail),
+            "idem:{2:ns:id}: holds a Redis hash, not an idem record"
+        );
+        let eval = "WRONGTYPE Operation script: 5a1b, on @user_script:1.";
+        assert_eq!(without_script(eval), "WRONGTYPE Operation");
+        let key_with_the_words = "a script: b: not an idem record";
+        assert_eq!(without_script(key_with_the_words), key_with_the_words);
+    }
 }

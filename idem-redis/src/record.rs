@@ -1,7 +1,7 @@
 //! The record layout of `lua/record.lua`, `<S><t>:<#o>:<o><F><n>:<w>;<body>`, with the
 //! deadlines in the key's server-side expiry: what the client builds (a fresh claim's
 //! record, a lease's fencing prefix) and decoding what Redis answers. Anything that does
-//! not decode is [`Error::Corrupt`].
+//! not decode is [`Error::Corrupt`], naming the Redis key.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -127,21 +127,38 @@ pub(crate) fn int(value: &Value) -> Option<i64> {
     }
 }
 
-/// The record `GET` returned for `key`, given the key's `PEXPIRETIME` read with it; `None`
-/// when there is none.
-pub(crate) fn decode_record(key: &Key, value: Value, expire: i64) -> Result<Option<Record>> {
+/// The record `GET` returned for `key` (at the Redis key `at`), given the key's
+/// `PEXPIRETIME` read with it; `None` when there is none.
+pub(crate) fn decode_record(
+    key: &Key,
+    at: &str,
+    value: Value,
+    expire: i64,
+) -> Result<Option<Record>> {
     match value {
         Value::Nil => Ok(None),
-        Value::BulkString(raw) => {
-            let decoded = match raw.first() {
-                Some(b'P' | b'C' | b'F') => decode(key, &raw, expire),
-                _ => Err("not an idem record"),
-            };
-            decoded.map_err(|why| Error::corrupt(format!("record {key}: {why}")))
-        }
+        Value::BulkString(raw) => decode_string(key, &raw, expire).map_err(|why| corrupt(at, why)),
         Value::ServerError(e) => Err(from_redis("get", e.into())),
         other => Err(bad_reply("get", format!("{other:?}"))),
     }
+}
+
+/// The record a string value of `key` holds (`None`: the key went away), or why it is not
+/// an idem record.
+pub(crate) fn decode_string(
+    key: &Key,
+    raw: &[u8],
+    expire: i64,
+) -> Result<Option<Record>, &'static str> {
+    match raw.first() {
+        Some(b'P' | b'C' | b'F') => decode(key, raw, expire),
+        _ => Err("not an idem record"),
+    }
+}
+
+/// [`Error::Corrupt`] for the value at the Redis key `at`, which is not an idem record.
+pub(crate) fn corrupt(at: &str, why: impl std::fmt::Display) -> Error {
+    Error::corrupt(format!("{at}: {why}"))
 }
 
 /// A decimal of at most 15 digits, as the Lua functions accept it.
@@ -283,7 +300,7 @@ mod tests {
         .to_redis_args()
         .concat();
         assert!(raw.starts_with(b"P1:3:w:1#"));
-        let rec = decode_record(&key(), string(&raw), 10_999)
+        let rec = decode_record(&key(), "k", string(&raw), 10_999)
             .unwrap()
             .unwrap();
         assert_eq!(rec.state, State::Processing);
@@ -291,18 +308,18 @@ mod tests {
         assert_eq!(rec.expires_at, Some(Timestamp::from_millis(11_000)));
         assert_eq!(rec.lease_until, Some(Timestamp::from_millis(10_500)));
         assert_eq!(rec.fingerprint, claim.fingerprint);
-        assert_eq!(decode_record(&key(), string(&raw), -2).unwrap(), None);
+        assert_eq!(decode_record(&key(), "k", string(&raw), -2).unwrap(), None);
     }
 
     #[test]
     fn the_fencing_prefix_is_the_front_of_a_held_record() {
         assert_eq!(Fence(&lease()).to_redis_args(), [b"P12:3:w:1"]);
-        let rec = decode_record(&key(), string(b"C12:3:w:1-2:0;\x00ok"), 99)
+        let rec = decode_record(&key(), "k", string(b"C12:3:w:1-2:0;\x00ok"), 99)
             .unwrap()
             .unwrap();
         assert_eq!(rec.response, Some(Bytes::from_static(b"\x00ok")));
         assert_eq!((rec.lease_until, rec.attempts), (None, 2));
-        let rec = decode_record(&key(), string(b"F2:1:a-1:0;1boom"), 99)
+        let rec = decode_record(&key(), "k", string(b"F2:1:a-1:0;1boom"), 99)
             .unwrap()
             .unwrap();
         assert_eq!((rec.error.as_deref(), rec.permanent), (Some("boom"), true));
@@ -320,7 +337,7 @@ mod tests {
             (string(b"C1:1:w-1:0;"), -1),
             (Value::Int(5), 5),
         ] {
-            let res = decode_record(&key(), bad.clone(), expire);
+            let res = decode_record(&key(), "k", bad.clone(), expire);
             assert!(
                 matches!(res, Err(Error::Corrupt { .. })),
                 "{bad:?}: {res:?}"
@@ -338,14 +355,14 @@ mod tests {
             b"hello",
             b"",
         ] {
-            let res = decode_record(&key(), string(old), 5);
+            let res = decode_record(&key(), "idem:{2:ns:id}", string(old), 5);
             let Err(Error::Corrupt { message, .. }) = res else {
                 panic!("{old:?}: {res:?}");
             };
-            assert_eq!(message, "record ns/id: not an idem record");
+            assert_eq!(message, "idem:{2:ns:id}: not an idem record");
         }
-        assert_eq!(decode_record(&key(), Value::Nil, 5).unwrap(), None);
-        let res = decode_record(&key(), Value::Array(vec![]), 5);
+        assert_eq!(decode_record(&key(), "k", Value::Nil, 5).unwrap(), None);
+        let res = decode_record(&key(), "k", Value::Array(vec![]), 5);
         assert!(matches!(res, Err(Error::Corrupt { .. })), "{res:?}");
     }
 

@@ -1,5 +1,6 @@
 //! Failures particular to Redis: an eager connect to a closed port, a corrupt record in a
-//! batch or a listing, passwords kept out of `Debug` and errors, bad configurations. The
+//! batch, values idem did not write in a listing and in the errors that name them,
+//! passwords kept out of `Debug` and errors, bad configurations. The
 //! failures every backend shares (closed port, silent server, corrupt record, oversized
 //! response) are `idem_conformance::remote_suite!` cases, run from `tests/conformance.rs`.
 
@@ -7,10 +8,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{claim, closed_port, connect, raw, standalone_config};
+use bytes::Bytes;
+use common::{claim, closed_port, connect, own_prefix, raw, standalone_config};
 use idem_conformance::{service_env, unique_namespace};
 use idem_core::backend::ListFilter;
-use idem_core::{Backend, Error, Key};
+use idem_core::{Backend, ClaimKind, Error, Key, Lease, Timestamp};
 use idem_redis::{RedisBackend, RedisConfig};
 
 const LIMIT: Duration = Duration::from_millis(300);
@@ -51,16 +53,6 @@ fn assert_corrupt<T: std::fmt::Debug>(what: &str, res: Result<T, Error>) {
     );
 }
 
-/// `list` over `key`'s namespace answers `Corrupt` (it walks the whole keyspace: keep to a
-/// few calls).
-async fn list_corrupt(backend: &RedisBackend, key: &Key, what: &str) {
-    let filter = ListFilter {
-        namespace: Some(key.namespace().to_owned()),
-        ..ListFilter::default()
-    };
-    assert_corrupt(what, backend.list(&filter).await);
-}
-
 /// Writes `value` (the command's arguments after the key) at `key`'s record with `command`.
 async fn plant(backend: &RedisBackend, key: &Key, command: &str, value: &[&[u8]]) {
     let mut conn = raw(&service_env("IDEM_REDIS_URL")).await;
@@ -72,16 +64,116 @@ async fn plant(backend: &RedisBackend, key: &Key, command: &str, value: &[&[u8]]
         .expect("plant a foreign value");
 }
 
-/// A listing that meets a record it cannot decode, a string or a hash, is `Corrupt`.
-#[tokio::test]
-async fn a_listing_over_a_corrupt_record_is_corrupt() {
-    let backend = connect(standalone_config()).await;
-    let cases: [(&str, &[&[u8]]); 2] = [("SET", &[b"hello"]), ("HSET", &[b"s", b"c"])];
-    for (command, value) in cases {
-        let k = key("listed");
-        plant(&backend, &k, command, value).await;
-        list_corrupt(&backend, &k, command).await;
+/// The message of a `Corrupt` answer about the value at `at`: it names the key and says
+/// what is there, without the function's internals (file, line, script name).
+/// The error's sources count, as a CLI prints the chain.
+fn clean_corrupt<T: std::fmt::Debug>(what: &str, at: &str, res: Result<T, Error>) -> String {
+    let err = match res {
+        Err(err @ Error::Corrupt { .. }) => err,
+        other => panic!("{what}: expected Corrupt, got {other:?}"),
+    };
+    let Error::Corrupt { message, .. } = &err else {
+        unreachable!()
+    };
+    assert!(message.contains(at), "{what}: {message}");
+    let mut chain = err.to_string();
+    let mut source = std::error::Error::source(&err);
+    while let Some(s) = source {
+        chain.push_str(&format!(": {s} ({s:?})"));
+        source = s.source();
     }
+    for internal in ["user_script", "user_function", ".lua", "@", "script:"] {
+        assert!(!chain.contains(internal), "{what}: {chain}");
+    }
+    message.clone()
+}
+
+/// Under a prefix of its own: a hash and a string that is no record at record keys, and a
+/// key idem never names, beside two records. The listing returns the records and skips
+/// and counts the rest, naming each; `get`, a claim and a settle of each foreign value are
+/// `Corrupt`, naming the key and what it holds.
+#[tokio::test]
+async fn a_listing_skips_and_counts_values_idem_did_not_write() {
+    let (backend, mut conn) = own_prefix().await;
+    let ns = unique_namespace();
+    let k = |id: &str| Key::new(ns.clone(), id).expect("key");
+    let lease = match backend.claim(&claim(&k("done"), "w")).await.expect("claim") {
+        idem_core::backend::ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("{other:?}"),
+    };
+    backend
+        .complete(&lease, Bytes::from_static(b"ok"), common::HOUR)
+        .await
+        .expect("complete");
+    backend.claim(&claim(&k("held"), "w")).await.expect("claim");
+    let (hash, text) = (k("a-hash"), k("a-string"));
+    let (hash_at, text_at) = (backend.record_key(&hash), backend.record_key(&text));
+    let stray = format!("{}{{not ours}}", backend.config().prefix());
+    let mut pipe = redis::pipe();
+    pipe.cmd("HSET").arg(&hash_at).arg("f").arg("v").ignore();
+    pipe.cmd("SET").arg(&text_at).arg("not a record").ignore();
+    pipe.cmd("SET").arg(&stray).arg("x").ignore();
+    let () = pipe
+        .query_async(&mut conn)
+        .await
+        .expect("plant foreign values");
+
+    let listing = backend.list(&ListFilter::default()).await.expect("list");
+    let mut ids: Vec<&str> = listing.records.iter().map(|r| r.key.id()).collect();
+    ids.sort();
+    assert_eq!(ids, ["done", "held"]);
+    assert_eq!(listing.skipped_total, 3, "{:?}", listing.skipped);
+    let mut skipped: Vec<(&str, &str)> = (listing.skipped.iter())
+        .map(|s| (s.key.as_str(), s.reason.as_str()))
+        .collect();
+    skipped.sort();
+    let mut expected = [
+        (hash_at.as_str(), "holds a Redis hash"),
+        (text_at.as_str(), "not an idem record"),
+        (stray.as_str(), "not a key idem names"),
+    ];
+    expected.sort();
+    assert_eq!(skipped, expected);
+    let one = ListFilter {
+        limit: 1,
+        ..ListFilter::default()
+    };
+    assert_eq!(backend.list(&one).await.expect("list").records.len(), 1);
+    let in_ns = ListFilter {
+        namespace: Some(ns.clone()),
+        ..ListFilter::default()
+    };
+    let listing = backend.list(&in_ns).await.expect("list");
+    assert_eq!((listing.records.len(), listing.skipped_total), (2, 2));
+
+    for (key, at, holds) in [
+        (&hash, &hash_at, "holds a Redis hash, not an idem record"),
+        (&text, &text_at, "not an idem record"),
+    ] {
+        let message = clean_corrupt("get", at, backend.get(key).await);
+        assert!(message.ends_with(holds), "{message}");
+        clean_corrupt("claim", at, backend.claim(&claim(key, "w")).await);
+        let batch = [claim(&k("fresh"), "w"), claim(key, "w")];
+        clean_corrupt("claim_many", at, backend.claim_many(&batch).await);
+    }
+    let lease = Lease {
+        key: text.clone(),
+        owner: "w".into(),
+        token: 1,
+        attempts: 1,
+        lease_until: Timestamp::from_millis(u64::MAX / 2),
+        kind: ClaimKind::First,
+        fingerprint: None,
+    };
+    let res = backend.extend(&lease, common::HOUR).await;
+    clean_corrupt("extend", &text_at, res);
+    let _: () = redis::cmd("DEL")
+        .arg(&hash_at)
+        .arg(&text_at)
+        .arg(&stray)
+        .query_async(&mut conn)
+        .await
+        .expect("clean up");
 }
 
 /// A corrupt record fails the whole batch, whether it is a string that does not decode or

@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::backend::{
-    Capabilities, Claim, ClaimOutcome, ListFilter, OffsetPosition, Settlement, StoredOffset,
-    TxFuture,
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, OffsetPosition, Settlement,
+    StoredOffset, TxFuture,
 };
 use idem_core::{
     Backend, FailureKind, Key, Lease, Outcome, Record, Result, Timestamp, Transactional,
@@ -59,7 +59,7 @@ impl Backend for OnePerTx {
     async fn purge_expired(&self) -> Result<u64> {
         self.0.purge_expired().await
     }
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
         self.0.list(filter).await
     }
     fn capabilities(&self) -> Capabilities {

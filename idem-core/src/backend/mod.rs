@@ -8,12 +8,13 @@
 //! A user of the engine needs only the crate's root. What is here is for the people who
 //! write a store, a layer, a consumer loop or a test:
 //!
-//! - the trait and its vocabulary: [`Backend`], [`Capabilities`], [`ListFilter`], the
-//!   requests and answers [`Claim`], [`ClaimOutcome`], [`Settle`], [`Settlement`], and
-//!   what [`Engine::run_leased`](crate::Engine::run_leased) says, [`Ran`];
+//! - the trait and its vocabulary: [`Backend`], [`Capabilities`], [`ListFilter`],
+//!   [`Listing`] and [`Skipped`], the requests and answers [`Claim`], [`ClaimOutcome`],
+//!   [`Settle`], [`Settlement`], and what [`Engine::run_leased`](crate::Engine::run_leased)
+//!   says, [`Ran`];
 //! - the checks every store makes alike, written once: [`check_response`],
 //!   [`handler_response`], [`millis`] (one cap, [`MAX_MILLIS`]),
-//!   [`Error::fenced`], [`per_item`], [`group_by`];
+//!   [`Error::fenced`], [`per_item`], [`group_by`], [`list_limited`];
 //! - the state machine as pure functions ([`machine`]), the reference model over it
 //!   ([`Model`]), change notifications ([`watch`]), drivers for tools that know only a URL
 //!   ([`driver`]);
@@ -147,6 +148,123 @@ impl ListFilter {
     }
 }
 
+/// What [`Backend::list`] answers: the live records that pass the filter, and the entries
+/// it met where records live that are not idem records (under a Redis prefix, a key of
+/// another type or a string that does not decode; in a table, a row or item that does
+/// not decode), skipped and counted instead of failing the listing, so that one value
+/// idem did not write hides nothing else. The first [`Listing::KEPT`] skipped entries are
+/// kept, every one is counted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Listing {
+    /// The records, in no set order.
+    pub records: Vec<Record>,
+    /// The first skipped entries, at most [`Listing::KEPT`], in the order met.
+    pub skipped: Vec<Skipped>,
+    /// How many entries were skipped in all: at least `skipped.len()`.
+    pub skipped_total: u64,
+}
+
+/// An entry [`Backend::list`] skipped: not an idem record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Skipped {
+    /// The store's own key for it (a Redis key, a row's `namespace/id`, an item's partition
+    /// key) as UTF-8, invalid bytes replaced, cut to [`Listing::MAX_TEXT`] bytes.
+    pub key: String,
+    /// Why it is not an idem record (`holds a Redis hash`, `bad length`), cut likewise.
+    pub reason: String,
+}
+
+impl Listing {
+    /// How many skipped entries a listing keeps (it counts them all).
+    pub const KEPT: usize = 20;
+    /// The longest key or reason text a skipped entry keeps, in bytes.
+    pub const MAX_TEXT: usize = 200;
+
+    /// A listing of `records`, none skipped.
+    pub fn of(records: Vec<Record>) -> Self {
+        Listing {
+            records,
+            ..Listing::default()
+        }
+    }
+
+    /// Counts an entry at `key` (the store's own key, any bytes) that is not an idem
+    /// record, for `reason`; keeps it among the first [`Listing::KEPT`].
+    pub fn skip(&mut self, key: impl AsRef<[u8]>, reason: impl std::fmt::Display) {
+        self.skipped_total += 1;
+        if self.skipped.len() < Self::KEPT {
+            self.skipped.push(Skipped {
+                key: cut(String::from_utf8_lossy(key.as_ref()).into_owned()),
+                reason: cut(reason.to_string()),
+            });
+        }
+    }
+
+    /// Adds what a store decoded at `key`: the record, or a skipped entry when it is
+    /// [`Error::Corrupt`] (its message, and its source's, as the reason). Any other error
+    /// (the store's own, a connection's) is returned: it fails the listing.
+    pub fn add(&mut self, key: impl FnOnce() -> String, decoded: Result<Record>) -> Result<()> {
+        match decoded {
+            Ok(record) => self.records.push(record),
+            Err(Error::Corrupt { message, source }) => match source {
+                Some(source) => self.skip(key(), format_args!("{message}: {source}")),
+                None => self.skip(key(), message),
+            },
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+}
+
+/// `text` cut to at most [`Listing::MAX_TEXT`] bytes, at a character boundary, `…` marking
+/// a cut.
+fn cut(mut text: String) -> String {
+    if text.len() > Listing::MAX_TEXT {
+        let mut at = Listing::MAX_TEXT - '…'.len_utf8();
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        text.truncate(at);
+        text.push('…');
+    }
+    text
+}
+
+/// [`Backend::list`] for a store whose list query takes a `LIMIT` and returns rows in a
+/// fixed order (its primary key's): `fetch(n)` reads at most `n` rows (0: all of them),
+/// `decode` adds one row to the listing ([`Listing::add`]). When rows that do not decode
+/// leave a full page short of `limit` records (0: no limit), the query runs again with a
+/// larger `LIMIT` (at least twice the last), so the limit counts records, not rows; the
+/// listing is then cut to `limit` records.
+pub async fn list_limited<R, F, Fut>(
+    limit: usize,
+    mut fetch: F,
+    mut decode: impl FnMut(&R, &mut Listing) -> Result<()>,
+) -> Result<Listing>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<R>>>,
+{
+    let mut asked = limit;
+    loop {
+        let rows = fetch(asked).await?;
+        let mut listing = Listing::default();
+        for row in &rows {
+            decode(row, &mut listing)?;
+        }
+        if limit == 0 || rows.len() < asked || listing.records.len() >= limit {
+            listing
+                .records
+                .truncate(if limit == 0 { usize::MAX } else { limit });
+            return Ok(listing);
+        }
+        let short = usize::try_from(listing.skipped_total).unwrap_or(usize::MAX);
+        asked = limit.saturating_add(short).max(asked.saturating_mul(2));
+    }
+}
+
 /// A store of idempotency records. Every method is one atomic step in the store.
 ///
 /// A backend writes the batch calls, [`Backend::claim_many`] and [`Backend::settle_many`];
@@ -245,9 +363,14 @@ pub trait Backend: Send + Sync {
     async fn purge_expired(&self) -> Result<u64>;
 
     /// Live records passing `filter`, in no set order: an operator's tool (`idem list`),
-    /// not for hot paths. Backends that cannot enumerate keep the default, which answers
-    /// [`Error::Unsupported`], and leave [`Capabilities::list`] false.
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    /// not for hot paths. `filter.limit` counts records. An entry where records live that
+    /// is not an idem record (a value of another type under a Redis prefix, a string, row
+    /// or item that does not decode) is skipped and counted in the [`Listing`], which
+    /// names the first ones, instead of failing the listing; an error of the store itself
+    /// (a connection, a timeout) still fails it. Backends that cannot enumerate keep the
+    /// default, which answers [`Error::Unsupported`], and leave [`Capabilities::list`]
+    /// false.
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
         let _ = filter;
         Err(Error::Unsupported { operation: "list" })
     }
@@ -303,7 +426,7 @@ macro_rules! forward {
             async fn purge_expired(&self) -> Result<u64> {
                 (**self).purge_expired().await
             }
-            async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+            async fn list(&self, filter: &ListFilter) -> Result<Listing> {
                 (**self).list(filter).await
             }
             async fn watch(&self, key: &Key) -> Watch {
@@ -418,4 +541,111 @@ pub fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis())
         .unwrap_or(u64::MAX)
         .min(MAX_MILLIS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str) -> Record {
+        Record {
+            key: Key::new("ns", id).expect("key"),
+            state: State::Completed,
+            owner: "w".into(),
+            token: 1,
+            attempts: 1,
+            lease_until: None,
+            fingerprint: None,
+            response: Some(Bytes::from_static(b"ok")),
+            error: None,
+            permanent: false,
+            expires_at: None,
+        }
+    }
+
+    #[test]
+    fn a_listing_keeps_the_first_skipped_entries_and_counts_all_of_them() {
+        let mut listing = Listing::default();
+        for i in 0..Listing::KEPT + 5 {
+            listing.skip(format!("k{i}"), "wrong type");
+        }
+        listing.skip(b"\xffidem:".repeat(100), "é".repeat(300));
+        assert_eq!(listing.skipped_total, Listing::KEPT as u64 + 6);
+        assert_eq!(listing.skipped.len(), Listing::KEPT);
+        assert_eq!(listing.skipped[0].key, "k0");
+        assert_eq!(listing.skipped[0].reason, "wrong type");
+
+        let mut one = Listing::default();
+        one.skip(b"\xffidem:".repeat(100), "é".repeat(300));
+        let Skipped { key, reason } = &one.skipped[0];
+        assert!(
+            key.starts_with("\u{fffd}idem:") && key.ends_with('…'),
+            "{key}"
+        );
+        assert!(key.len() <= Listing::MAX_TEXT && reason.len() <= Listing::MAX_TEXT);
+        assert!(reason.ends_with('…'), "{reason}");
+    }
+
+    #[test]
+    fn add_skips_what_does_not_decode_and_fails_on_the_store() {
+        let mut listing = Listing::default();
+        listing
+            .add(|| "a".into(), Ok(record("a")))
+            .expect("a record");
+        let bad = Err(Error::corrupt("bad length"));
+        listing.add(|| "ns/b".into(), bad).expect("skipped");
+        assert_eq!(listing.records, [record("a")]);
+        assert_eq!(listing.skipped_total, 1);
+        assert_eq!(listing.skipped[0].key, "ns/b");
+        assert_eq!(listing.skipped[0].reason, "bad length");
+        let down = Err(Error::unavailable("list", std::io::Error::other("reset")));
+        let res = listing.add(|| "c".into(), down);
+        assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
+    }
+
+    /// Rows `0..total`, the ones in `bad` not decoding; `fetch(n)` the first n (0: all).
+    async fn listed(total: usize, bad: &[usize], limit: usize) -> (Listing, Vec<usize>) {
+        let mut asked = Vec::new();
+        let listing = list_limited(
+            limit,
+            |n| {
+                asked.push(n);
+                let n = if n == 0 { total } else { n.min(total) };
+                std::future::ready(Ok((0..n).collect::<Vec<usize>>()))
+            },
+            |&i, listing| {
+                let decoded = if bad.contains(&i) {
+                    Err(Error::corrupt("bad"))
+                } else {
+                    Ok(record(&i.to_string()))
+                };
+                listing.add(|| i.to_string(), decoded)
+            },
+        )
+        .await
+        .expect("list");
+        (listing, asked)
+    }
+
+    #[tokio::test]
+    async fn list_limited_counts_records_against_the_limit() {
+        let (all, asked) = listed(10, &[1, 2], 0).await;
+        assert_eq!(
+            (all.records.len(), all.skipped_total, asked),
+            (8, 2, vec![0])
+        );
+        let (clean, asked) = listed(10, &[], 3).await;
+        assert_eq!((clean.records.len(), asked), (3, vec![3]));
+        // Two of the first three rows do not decode: read again, at least twice as many.
+        let (short, asked) = listed(10, &[0, 2], 3).await;
+        let ids: Vec<&str> = short.records.iter().map(|r| r.key.id()).collect();
+        assert_eq!(
+            (ids, short.skipped_total, asked),
+            (vec!["1", "3", "4"], 2, vec![3, 6])
+        );
+        // Fewer good rows than the limit: every row read, all of them listed.
+        let (few, asked) = listed(4, &[0, 1, 2], 3).await;
+        assert_eq!((few.records.len(), few.skipped_total), (1, 3));
+        assert_eq!(asked, [3, 6]);
+    }
 }

@@ -10,7 +10,9 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use super::Layer;
-use crate::backend::{Capabilities, Claim, ClaimOutcome, ListFilter, Settlement, watch::Watch};
+use crate::backend::{
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, Settlement, watch::Watch,
+};
 use crate::{Backend, Error, FailureKind, Key, Lease, Record, Result, Timestamp};
 
 /// [`Coalesce`] as a [`Layer`].
@@ -164,7 +166,7 @@ impl<B: Backend + 'static> Backend for Coalesce<B> {
         self.inner.purge_expired().await
     }
 
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
         self.inner.list(filter).await
     }
 

@@ -41,7 +41,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::backend::{
-    Capabilities, Claim, ClaimOutcome, ListFilter, OffsetPosition, Settle, Settlement,
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, OffsetPosition, Settle, Settlement,
     StoredOffset, TxFuture, watch::Watch,
 };
 use crate::{Backend, FailureKind, Key, Lease, Outcome, Record, Result, Timestamp, Transactional};
@@ -271,7 +271,7 @@ impl<B: Backend, H: Around> Backend for Layered<B, H> {
         let next = self.inner.purge_expired();
         self.hook.around(Call::of(Op::PurgeExpired, 0), next).await
     }
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
         let next = self.inner.list(filter);
         self.hook.around(Call::of(Op::List, 0), next).await
     }

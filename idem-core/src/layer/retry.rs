@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::Layer;
 use crate::backend::{
-    Capabilities, Claim, ClaimOutcome, ListFilter, OffsetPosition, Settle, Settlement,
+    Capabilities, Claim, ClaimOutcome, ListFilter, Listing, OffsetPosition, Settle, Settlement,
     StoredOffset, TxFuture, watch::Watch,
 };
 use crate::{
@@ -244,7 +244,7 @@ impl<B: Backend> Backend for Retry<B> {
     async fn purge_expired(&self) -> Result<u64> {
         self.retried(|| self.inner.purge_expired()).await
     }
-    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>> {
+    async fn list(&self, filter: &ListFilter) -> Result<Listing> {
         self.retried(|| self.inner.list(filter)).await
     }
     async fn watch(&self, key: &Key) -> Watch {

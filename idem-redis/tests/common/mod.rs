@@ -27,6 +27,15 @@ pub async fn connect(config: RedisConfig) -> RedisBackend {
     RedisBackend::connect(config).await.expect("connect")
 }
 
+/// A backend on `IDEM_REDIS_URL` under a key prefix of its own, for a test that lists the
+/// whole prefix (other tests plant foreign values under the shared one), and a plain
+/// connection to write beside it.
+pub async fn own_prefix() -> (RedisBackend, redis::aio::MultiplexedConnection) {
+    let prefix = format!("idem-own:{}:", idem_conformance::unique_namespace());
+    let backend = connect(standalone_config().with_prefix(prefix)).await;
+    (backend, raw(&service_env("IDEM_REDIS_URL")).await)
+}
+
 /// A plain connection for writing what idem would not.
 pub async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
     redis::Client::open(url)
