@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use idem_conformance::CallLog;
 use idem_core::backend::ClaimOutcome;
-use idem_core::layer::{BackendExt, Chaos, Fault};
+use idem_core::layer::{BackendExt, ChaosLayer, Fault};
 use idem_core::{Backend, Engine, Key, Outcome, WaitPolicy};
 use idem_postgres::{PgBackend, PgConfig};
 use idem_redis::{RedisBackend, RedisConfig};
@@ -30,7 +30,7 @@ const POLL: Duration = Duration::from_millis(10);
 /// Milliseconds from `complete`'s return to the waiter's return, one per sample, and the
 /// median time `complete` itself took.
 async fn samples(backend: Arc<dyn Backend>, notify: bool, run: &str) -> (Vec<f64>, f64) {
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     chaos.set(Fault::Notify, !notify);
     let faulty = Arc::clone(&backend).layer(chaos);
     let mut out = Vec::with_capacity(SAMPLES);

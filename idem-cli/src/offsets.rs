@@ -93,7 +93,9 @@ async fn reset(args: &OffsetsResetArgs) -> Result<()> {
         };
         let offsets = offsets_of(&args.backend.backend).await?;
         confirm(
-            &format!("store {to} as group {group:?}'s next offset of {topic} partition {partition} (stop the group's consumers first)"),
+            &format!(
+                "store {to} as group {group:?}'s next offset of {topic} partition {partition} (stop the group's consumers first)"
+            ),
             args.yes.yes,
         )?;
         let next = StoredOffset {
@@ -105,7 +107,9 @@ async fn reset(args: &OffsetsResetArgs) -> Result<()> {
             .set_offset(group, &next)
             .await
             .store(format!("store the offset of {topic} partition {partition}"))?;
-        out!("group {group:?} starts {topic} partition {partition} at offset {to} when next assigned it");
+        out!(
+            "group {group:?} starts {topic} partition {partition} at offset {to} when next assigned it"
+        );
         return Ok(());
     }
     if args.partition.is_some() && args.topic.is_none() {
@@ -120,7 +124,9 @@ async fn reset(args: &OffsetsResetArgs) -> Result<()> {
         _ => "every topic".to_owned(),
     };
     confirm(
-        &format!("delete group {group:?}'s stored offsets of {what} (its consumers then start from the offsets committed to Kafka)"),
+        &format!(
+            "delete group {group:?}'s stored offsets of {what} (its consumers then start from the offsets committed to Kafka)"
+        ),
         args.yes.yes,
     )?;
     let removed = offsets

@@ -17,10 +17,9 @@ async fn operator_commands_on_mysql() {
 
     let out = ok(&["migrate", "-b", &url, "--yes"]);
     assert!(out.contains("is migrated"), "{out}");
-    let backend =
-        MySqlBackend::connect(MySqlConfig::new(base.clone()).with_schema(schema.clone()))
-            .await
-            .expect("connect to IDEM_MYSQL_URL");
+    let backend = MySqlBackend::connect(MySqlConfig::new(base.clone()).with_schema(schema.clone()))
+        .await
+        .expect("connect to IDEM_MYSQL_URL");
     operator_scenario(&url, Arc::new(backend.clone()), "orders").await;
     offsets_scenario(&url, Arc::new(backend.clone()), "ledger-writer").await;
 

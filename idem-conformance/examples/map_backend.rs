@@ -15,12 +15,12 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use idem_conformance::{Factory, Fixture};
 use idem_core::backend::{
     Capabilities, Claim, ClaimOutcome, Settlement, async_trait, check_response, machine,
 };
 use idem_core::clock::{Clock, ManualClock};
 use idem_core::{Backend, Error, Key, Lease, Record, Result, Timestamp};
-use idem_conformance::{Factory, Fixture};
 
 /// Records in a map under one lock, on an injectable clock.
 #[derive(Clone)]

@@ -105,14 +105,16 @@ impl<B: Backend> Fixture<B> {
 /// `Unavailable` retried, every call observed. The suite over it must answer exactly as
 /// over the backend itself.
 pub fn in_every_layer<B: Backend + 'static>(backend: B) -> std::sync::Arc<dyn Backend> {
-    use idem_core::layer::{BackendExt, Chaos, CoalesceLayer, Observe, RetryLayer, TimeoutLayer};
+    use idem_core::layer::{
+        BackendExt, ChaosLayer, CoalesceLayer, ObserveLayer, RetryLayer, TimeoutLayer,
+    };
     std::sync::Arc::new(
         backend
-            .layer(Chaos::new())
+            .layer(ChaosLayer::new())
             .layer(CoalesceLayer)
             .layer(TimeoutLayer::new(Duration::from_secs(5)))
             .layer(RetryLayer::new())
-            .layer(Observe::new()),
+            .layer(ObserveLayer::new()),
     )
 }
 

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use idem_core::clock::Clock;
 use idem_core::{Backend, Engine, Outcome, Timestamp, WaitPolicy};
 
-use idem_core::layer::{BackendExt, Chaos, Fault};
+use idem_core::layer::{BackendExt, ChaosLayer, Fault};
 
 use crate::{CallLog, Factory, Fixture, Time};
 
@@ -54,7 +54,7 @@ async fn wait_on<F: Factory>(
     let key = fx.key("watched");
     let holder = fx.acquire(&fx.claim(&key, "holder")).await;
     let backend = Arc::new(fx.backend);
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     chaos.set(Fault::Notify, deaf);
     let log = CallLog::new();
     let tap = Arc::new(Arc::clone(&backend).layer(chaos).layer(log.clone()));

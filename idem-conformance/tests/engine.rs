@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::backend::ClaimOutcome;
 use idem_core::clock::Clock;
-use idem_core::layer::{BackendExt, Chaos, Fault};
+use idem_core::layer::{BackendExt, ChaosLayer, Fault};
 use idem_core::{
     Backend, Engine, Error, HandlerError, Key, MemoryBackend, Outcome, State, Timestamp, WaitPolicy,
 };
@@ -79,7 +79,7 @@ async fn heartbeat_keeps_a_long_handler_lease_alive() {
 
 #[tokio::test(start_paused = true)]
 async fn a_lost_lease_cancels_the_handler_and_yields_fenced() {
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let faulty = memory().layer(chaos.clone());
     let backend: Arc<dyn Backend> = Arc::new(faulty.clone());
     let a = engine(Arc::clone(&backend), "a");
@@ -221,7 +221,7 @@ async fn an_oversized_response_poisons_with_the_reason() {
 
 #[tokio::test(start_paused = true)]
 async fn a_failed_completion_surfaces_and_the_key_is_not_done() {
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let faulty = memory().layer(chaos.clone());
     let backend: Arc<dyn Backend> = Arc::new(faulty.clone());
     let a = engine(Arc::clone(&backend), "a");

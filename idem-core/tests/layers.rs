@@ -8,7 +8,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use idem_core::backend::{Claim, ClaimOutcome, Settlement};
 use idem_core::layer::{
-    Around, BackendExt, Call, Chaos, Fault, Layered, Observe, RetryLayer, TimeoutLayer,
+    Around, BackendExt, Call, ChaosLayer, Fault, Layered, ObserveLayer, RetryLayer, TimeoutLayer,
 };
 use idem_core::{Backend, Error, FailureKind, Key, Lease, MemoryBackend, State};
 
@@ -41,7 +41,7 @@ fn retry() -> RetryLayer {
 
 #[tokio::test(start_paused = true)]
 async fn timeout_answers_unavailable_and_a_fast_call_passes() {
-    let chaos = Chaos::new().with_delay(Duration::from_millis(200));
+    let chaos = ChaosLayer::new().with_delay(Duration::from_millis(200));
     let slow = MemoryBackend::new()
         .layer(chaos)
         .layer(TimeoutLayer::new(Duration::from_millis(50)));
@@ -62,7 +62,7 @@ async fn timeout_answers_unavailable_and_a_fast_call_passes() {
 
 #[tokio::test]
 async fn switched_faults_refuse_only_their_calls() {
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let backend = MemoryBackend::new().layer(chaos.clone());
     let lease = acquire(&backend, "k").await;
     chaos.set(Fault::Complete, true);
@@ -92,7 +92,7 @@ async fn switched_faults_refuse_only_their_calls() {
 
 #[tokio::test]
 async fn a_lost_answer_is_unavailable_though_the_write_landed() {
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let backend = MemoryBackend::new().layer(chaos.clone());
     let lease = acquire(&backend, "k").await;
     chaos.lose_next_answers(1);
@@ -111,7 +111,7 @@ async fn a_lost_answer_is_unavailable_though_the_write_landed() {
 
 #[tokio::test]
 async fn retry_recovers_refused_calls_and_gives_up_after_its_tries() {
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let backend = MemoryBackend::new().layer(chaos.clone()).layer(retry());
     chaos.refuse_next(2);
     acquire(&backend, "twice refused").await;
@@ -161,7 +161,7 @@ async fn retry_never_retries_a_final_answer() {
 
 #[tokio::test]
 async fn retry_answers_ok_where_its_lost_write_landed() {
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let backend = MemoryBackend::new().layer(chaos.clone()).layer(retry());
 
     let lease = acquire(&backend, "complete").await;
@@ -221,7 +221,7 @@ async fn retry_answers_ok_where_its_lost_write_landed() {
 #[tokio::test]
 async fn a_retried_claim_after_a_lost_grant_answers_in_progress() {
     // What RetryLayer documents for claims: the retry answers InProgress, never a lease.
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let backend = MemoryBackend::new().layer(chaos.clone()).layer(retry());
     chaos.lose_next_answers(1);
     match backend.claim(&claim("k")).await.expect("claim") {
@@ -241,7 +241,7 @@ fn observe_counts_calls_by_operation_and_outcome() {
             .build()
             .expect("runtime");
         rt.block_on(async {
-            let backend = MemoryBackend::new().layer(Observe::new());
+            let backend = MemoryBackend::new().layer(ObserveLayer::new());
             let lease = acquire(&backend, "k").await;
             backend
                 .complete(&lease, Bytes::from_static(b"r"), HOUR)

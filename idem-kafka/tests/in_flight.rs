@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Out, builder, committed, engine, mock_topic, produce, unique};
-use idem_core::layer::{BackendExt, Chaos};
+use idem_core::layer::{BackendExt, ChaosLayer};
 use idem_core::{Backend, Key, MemoryBackend, State};
 use idem_kafka::{OrderBy, Point, Probe, Verdict};
 use proptest::prelude::*;
@@ -394,7 +394,7 @@ async fn a_key_on_two_partitions_never_runs_in_two_handlers_at_once() {
     let topic = unique("twoparts");
     let (_cluster, brokers) = mock_topic(&topic, 2);
     let raw = MemoryBackend::new();
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let backend: Arc<dyn Backend> = Arc::new(raw.clone().layer(chaos.clone()));
     let runs = Arc::new(Runs::default());
     let effects = common::Effects::new();

@@ -652,14 +652,14 @@ async fn in_progress_holds_the_partition_and_nothing_is_committed_past_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn store_outage_stalls_the_partition_and_it_resumes_with_nothing_lost() {
-    use idem_core::layer::{BackendExt, Chaos, Fault};
+    use idem_core::layer::{BackendExt, ChaosLayer, Fault};
     let topic = unique("outage");
     let (_cluster, brokers) = mock_topic(&topic, 1);
     let first: Vec<Out> = (0..10)
         .map(|i| Out::keyed(0, &format!("k{i}"), "x"))
         .collect();
     produce(&brokers, &topic, &first).await;
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let faulty = MemoryBackend::new().layer(chaos.clone());
     chaos.set(Fault::Claim, true);
     let backend = Arc::new(faulty.clone());

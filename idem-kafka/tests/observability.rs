@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Out, Recorder, builder, counter, engine, mock_topic, produce, start, unique};
-use idem_core::layer::{BackendExt, Chaos, Fault};
+use idem_core::layer::{BackendExt, ChaosLayer, Fault};
 use idem_core::{Backend, HandlerError, Key, MemoryBackend};
 use idem_kafka::metrics as names;
 use tracing::field::{Field, Visit};
@@ -82,7 +82,7 @@ async fn spans_and_counters_follow_each_message() {
     let topic = unique("obs");
     let (_cluster, brokers) = mock_topic(&topic, 1);
     let group = unique("g");
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let faulty = MemoryBackend::new().layer(chaos.clone());
     let backend = Arc::new(faulty.clone());
     // "held" is held by another worker until the test lets it go.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{Effects, Out, Recorder, builder, engine, mock_topic, produce, start, unique};
 use idem_conformance::{CallLog, Counting};
-use idem_core::layer::{BackendExt, Chaos};
+use idem_core::layer::{BackendExt, ChaosLayer};
 use idem_core::{Backend, MemoryBackend};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -97,7 +97,7 @@ async fn a_slow_first_claim_does_not_shrink_the_chunks_after_it() {
         .map(|i| Out::keyed(0, &format!("k{i}"), &format!("p{i}")))
         .collect();
     produce(&brokers, &topic, &msgs).await;
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     chaos.refuse_next(4);
     let store = MemoryBackend::new()
         .layer(chaos.clone())

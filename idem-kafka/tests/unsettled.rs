@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::{
     Effects, Out, Recorder, builder, engine, mock_topic, produce, start, unique, wait_committed,
 };
-use idem_core::layer::{BackendExt, Chaos};
+use idem_core::layer::{BackendExt, ChaosLayer};
 use idem_core::{Backend, HandlerError, Key, MemoryBackend};
 use idem_kafka::{Point, Probe, Verdict};
 
@@ -72,7 +72,7 @@ async fn doubles_after_a_crash(in_flight: usize, max_unsettled: Option<usize>) -
     }
     produce(&brokers, &topic, &msgs).await;
     let backend: Arc<dyn Backend> =
-        Arc::new(MemoryBackend::new().layer(Chaos::new().with_delay(STORE_CALL)));
+        Arc::new(MemoryBackend::new().layer(ChaosLayer::new().with_delay(STORE_CALL)));
     let effects = Effects::new();
     let group = unique("g");
     let consumer = |owner: &str| {

@@ -434,9 +434,9 @@ async fn a_panicking_handler_rolls_back_and_counts_as_a_failure() {
 /// lease the handler); the retry layer passes outcomes and offsets through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn layers_wrap_transactions_and_leave_their_length_to_the_lease() {
-    use idem_core::layer::{BackendExt, Chaos, Fault, RetryLayer, TimeoutLayer};
+    use idem_core::layer::{BackendExt, ChaosLayer, Fault, RetryLayer, TimeoutLayer};
     let (backend, ledger) = setup().await;
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     let limit = Duration::from_millis(20);
     let layered = backend
         .clone()

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Effects, Queue, Watch};
-use idem_core::layer::{BackendExt, Chaos, Fault};
+use idem_core::layer::{BackendExt, ChaosLayer, Fault};
 use idem_core::{Engine, HandlerError, MemoryBackend};
 use idem_rabbitmq::{HEADER_ATTEMPTS, HEADER_QUEUE, HEADER_REASON, IdemConsumer, Point};
 use tokio_util::sync::CancellationToken;
@@ -209,7 +209,7 @@ async fn a_store_outage_acks_nothing_until_the_store_is_back() {
         q.publish(Some(format!("pay-{k}").as_bytes()), b"charge")
             .await;
     }
-    let chaos = Chaos::new();
+    let chaos = ChaosLayer::new();
     chaos.set(Fault::Claim, true);
     let store = MemoryBackend::new().layer(chaos.clone());
     let (effects, watch, stop) = (Effects::default(), Watch::new(), CancellationToken::new());

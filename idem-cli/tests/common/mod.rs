@@ -329,7 +329,9 @@ pub async fn offsets_scenario(url: &str, offsets: Arc<dyn idem_core::Offsets>, g
 
     // --to names one partition.
     let err = fails(
-        &["offsets", "reset", "-b", url, "-g", group, "--to", "5", "--yes"],
+        &[
+            "offsets", "reset", "-b", url, "-g", group, "--to", "5", "--yes",
+        ],
         2,
     );
     assert!(err.contains("--topic and --partition"), "{err}");
@@ -340,7 +342,9 @@ pub async fn offsets_scenario(url: &str, offsets: Arc<dyn idem_core::Offsets>, g
     ]);
     assert!(out.contains("deleted 2"), "{out}");
     assert_eq!(shown_offsets(url, group), [("refunds".into(), 0, 3)]);
-    let out = ok(&["offsets", "reset", "-b", url, "-g", group, "--delete", "--yes"]);
+    let out = ok(&[
+        "offsets", "reset", "-b", url, "-g", group, "--delete", "--yes",
+    ]);
     assert!(out.contains("deleted 1"), "{out}");
     assert!(shown_offsets(url, group).is_empty());
     let left = offsets.offsets(&other).await.expect("read the other group");

@@ -13,7 +13,7 @@ use crate::backend::watch::Watch;
 use crate::backend::watch::Watchers;
 use crate::{Backend, Error, Key, Result};
 
-/// A kind of call [`Chaos`] can refuse.
+/// A kind of call [`ChaosLayer`] can refuse.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 #[non_exhaustive]
@@ -60,13 +60,13 @@ impl Fault {
 }
 
 /// The chaos layer: switches that make calls answer [`Error::Unavailable`] without
-/// reaching the store ([`Chaos::set`]), a random share of calls refused before they reach
-/// it or whose answer is lost after the store applied them ([`Chaos::with_refused`],
-/// [`Chaos::with_lost_answers`], ambiguous like a timeout), and a delay before each call.
+/// reaching the store ([`ChaosLayer::set`]), a random share of calls refused before they reach
+/// it or whose answer is lost after the store applied them ([`ChaosLayer::with_refused`],
+/// [`ChaosLayer::with_lost_answers`], ambiguous like a timeout), and a delay before each call.
 /// Clones share their switches, so a test keeps one to flip faults under a running
 /// backend.
 #[derive(Clone, Debug, Default)]
-pub struct Chaos {
+pub struct ChaosLayer {
     state: Arc<State>,
 }
 
@@ -86,10 +86,10 @@ struct State {
 
 const MILLION: f64 = 1_000_000.0;
 
-impl Chaos {
+impl ChaosLayer {
     /// Every fault off.
     pub fn new() -> Self {
-        Chaos::default()
+        ChaosLayer::default()
     }
 
     /// Refuses each call with probability `share` (0 to 1) before it reaches the store.
@@ -164,14 +164,14 @@ fn injected(call: &Call<'_>, what: &str) -> Error {
     }
 }
 
-impl<B: Backend> Layer<B> for Chaos {
-    type Backend = Layered<B, Chaos>;
+impl<B: Backend> Layer<B> for ChaosLayer {
+    type Backend = Layered<B, ChaosLayer>;
     fn layer(&self, inner: B) -> Self::Backend {
         Layered::new(inner, self.clone())
     }
 }
 
-impl Around for Chaos {
+impl Around for ChaosLayer {
     fn around<'a, T: Send + 'a>(
         &'a self,
         call: Call<'a>,
@@ -185,11 +185,11 @@ impl Around for Chaos {
             if self.state.on.load(Ordering::SeqCst) & Fault::of(&call) != 0 {
                 return Err(injected(&call, "switched on"));
             }
-            if Chaos::hit(&self.state.refuse_next, &self.state.refused) {
+            if ChaosLayer::hit(&self.state.refuse_next, &self.state.refused) {
                 return Err(injected(&call, "refused"));
             }
             let answer = next.await;
-            if Chaos::hit(&self.state.lose_next, &self.state.lost) {
+            if ChaosLayer::hit(&self.state.lose_next, &self.state.lost) {
                 return Err(injected(&call, "answer lost"));
             }
             answer

@@ -5,16 +5,19 @@
 //! ```
 //! use std::time::Duration;
 //! use idem_core::MemoryBackend;
-//! use idem_core::layer::{BackendExt, Chaos, Observe, RetryLayer, TimeoutLayer};
+//! use idem_core::layer::{BackendExt, ChaosLayer, ObserveLayer, RetryLayer, TimeoutLayer};
 //!
-//! let chaos = Chaos::new();
+//! let chaos = ChaosLayer::new();
 //! let backend = MemoryBackend::new()
 //!     .layer(chaos.clone())                                // innermost: the injected faults
 //!     .layer(TimeoutLayer::new(Duration::from_secs(1)))    // each try bounded
 //!     .layer(RetryLayer::new())                            // retries `Unavailable` only
-//!     .layer(Observe::new());                              // outermost: what the caller saw
+//!     .layer(ObserveLayer::new());                         // outermost: what the caller saw
 //! # let _ = backend;
 //! ```
+//!
+//! Names are tower's: each `XLayer` makes an `X<B>` out of a backend `B` ([`Timeout`],
+//! [`Retry`], [`Coalesce`], [`Observe`], [`Chaos`]).
 //!
 //! Every layer but [`Retry`] and [`Coalesce`] is a [`Layered`] backend: one forwarding
 //! implementation of [`Backend`] that hands each call to an [`Around`] hook. [`Retry`]
@@ -29,9 +32,9 @@ mod timeout;
 
 use futures::future::BoxFuture;
 
-pub use chaos::{Chaos, Fault};
+pub use chaos::{ChaosLayer, Fault};
 pub use coalesce::{Coalesce, CoalesceLayer};
-pub use observe::Observe;
+pub use observe::ObserveLayer;
 pub use retry::{Retry, RetryLayer};
 pub use timeout::{TimeoutLayer, within};
 
@@ -45,6 +48,13 @@ use crate::backend::{
     StoredOffset, TxFuture, watch::Watch,
 };
 use crate::{Backend, FailureKind, Key, Lease, Outcome, Record, Result, Timestamp, Transactional};
+
+/// A backend with each call bounded by a [`TimeoutLayer`].
+pub type Timeout<B> = Layered<B, TimeoutLayer>;
+/// A backend traced and measured by an [`ObserveLayer`].
+pub type Observe<B> = Layered<B, ObserveLayer>;
+/// A backend with the faults of a [`ChaosLayer`] injected.
+pub type Chaos<B> = Layered<B, ChaosLayer>;
 
 /// Makes a backend out of another, as `tower::Layer` does for services.
 pub trait Layer<B> {
@@ -287,7 +297,7 @@ impl<B: Backend, H: Around> Backend for Layered<B, H> {
 }
 
 /// Transactional mode through a layer: each transaction is one call to the hook, its
-/// handlers' run included, so [`Observe`] counts and times transactions and [`Chaos`] can
+/// handlers' run included, so [`ObserveLayer`] counts and times transactions and [`ChaosLayer`] can
 /// refuse them. [`TimeoutLayer`] lets transactions through unbounded: the store bounds
 /// each of its statements, and the lease bounds the handlers.
 #[async_trait]

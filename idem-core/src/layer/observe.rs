@@ -20,17 +20,17 @@ use crate::{Backend, Error, Result};
 ///
 /// Nothing is recorded unless the application installs a subscriber or a recorder.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Observe;
+pub struct ObserveLayer;
 
-impl Observe {
+impl ObserveLayer {
     /// The layer.
     pub fn new() -> Self {
-        Observe
+        ObserveLayer
     }
 }
 
-impl<B: Backend> Layer<B> for Observe {
-    type Backend = Layered<B, Observe>;
+impl<B: Backend> Layer<B> for ObserveLayer {
+    type Backend = Layered<B, ObserveLayer>;
     fn layer(&self, inner: B) -> Self::Backend {
         Layered::new(inner, *self)
     }
@@ -48,7 +48,7 @@ pub(crate) fn outcome<T>(answer: &Result<T>) -> &'static str {
     }
 }
 
-impl Around for Observe {
+impl Around for ObserveLayer {
     fn around<'a, T: Send + 'a>(
         &'a self,
         call: Call<'a>,
