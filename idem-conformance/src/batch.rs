@@ -14,7 +14,8 @@ const HOUR: Duration = Duration::from_secs(3600);
 /// `settle_many` answers each item as `complete`, `fail` or `release` would in turn:
 /// completes, failures and releases mixed in one batch, a stale lease fenced without
 /// touching its record, an oversized response refused alone, and a key settled twice in one
-/// batch (the second is fenced by the first).
+/// batch (the second is fenced by the first); then completes and fails of distinct keys
+/// alone, all held, and with a lease taken over and a key deleted among them.
 pub async fn settle_many_agrees<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let b = &fx.backend;
@@ -105,6 +106,71 @@ pub async fn settle_many_agrees<F: Factory>(f: &F) {
             .await
             .expect("empty batch")
             .is_empty()
+    );
+    distinct_settles_answer_each(&fx).await;
+}
+
+/// Completes and fails of distinct keys only (the shape a consumer's batch has), first all
+/// held, then with one lease taken over and one key deleted among them: each item is
+/// answered for itself, and only the held ones change their records.
+async fn distinct_settles_answer_each<B: Backend>(fx: &crate::Fixture<B>) {
+    let b = &fx.backend;
+    let keys: Vec<_> = (0..8).map(|i| fx.key(&format!("d-{i}"))).collect();
+    let mut leases = Vec::new();
+    for key in &keys {
+        leases.push(fx.acquire(&fx.claim(key, "a")).await);
+    }
+    let settle = |lease: &idem_core::Lease, i: usize| {
+        if i % 2 == 0 {
+            Settlement::complete(lease.clone(), Bytes::from(format!("r{i}")))
+        } else {
+            Settlement::fail(lease.clone(), format!("e{i}"), FailureKind::Retry)
+        }
+    };
+    let first: Vec<_> = (0..4).map(|i| settle(&leases[i], i)).collect();
+    let answers = b.settle_many(&first, HOUR).await.expect("settle_many");
+    assert!(answers.iter().all(Result::is_ok), "all held: {answers:?}");
+    fx.lapse().await;
+    let taken = fx.acquire(&fx.claim(&keys[5], "b")).await;
+    assert!(b.delete(&keys[6]).await.expect("delete"), "key 6 deleted");
+    let second: Vec<_> = (4..8).map(|i| settle(&leases[i], i)).collect();
+    let answers = b.settle_many(&second, HOUR).await.expect("settle_many");
+    assert!(
+        answers[0].is_ok(),
+        "a lapsed lease nobody took: {:?}",
+        answers[0]
+    );
+    for (i, what) in [(1, "taken over"), (2, "deleted")] {
+        assert!(
+            matches!(answers[i], Err(Error::Fenced { .. })),
+            "{what}: {:?}",
+            answers[i]
+        );
+    }
+    assert!(answers[3].is_ok(), "held: {:?}", answers[3]);
+    for i in [0, 1, 2, 3, 4, 7] {
+        let rec = b.get(&keys[i]).await.expect("get").expect("record");
+        let want = if i % 2 == 0 {
+            State::Completed
+        } else {
+            State::Failed
+        };
+        assert_eq!(rec.state, want, "key {i}");
+        if i % 2 == 0 {
+            assert_eq!(rec.response, Some(Bytes::from(format!("r{i}"))), "key {i}");
+        } else {
+            assert_eq!(rec.error, Some(format!("e{i}")), "key {i}");
+        }
+    }
+    let stolen = b.get(&keys[5]).await.expect("get").expect("record");
+    assert_eq!(
+        (stolen.state, stolen.token),
+        (State::Processing, taken.token)
+    );
+    assert_eq!(
+        b.get(&keys[6]).await.expect("get"),
+        None,
+        "nothing written back"
     );
 }
 

@@ -23,7 +23,8 @@ pub use crate::waiting::{
     wait_watches_only_a_key_in_progress,
 };
 
-/// The first claim of a new key is granted with token 1, attempt 1, and the record shows it.
+/// The first claim of a new key is granted with token 1, attempt 1, and the record shows it,
+/// with the lease's deadline; so do the first claims of a batch of new keys.
 pub async fn claim_new_key<F: Factory>(f: &F) {
     let fx = f.setup().await;
     let key = fx.key("new");
@@ -43,7 +44,29 @@ pub async fn claim_new_key<F: Factory>(f: &F) {
     assert_eq!(rec.state, State::Processing);
     assert_eq!((&*rec.owner, rec.token, rec.attempts), ("a", 1, 1));
     assert_eq!(rec.fingerprint, Some(Fingerprint::of(b"p")));
-    assert!(rec.lease_until.is_some());
+    assert_eq!(
+        rec.lease_until,
+        Some(lease.lease_until),
+        "the lease's deadline"
+    );
+    let keys: Vec<_> = (0..3).map(|i| fx.key(&format!("new-{i}"))).collect();
+    let claims: Vec<_> = keys.iter().map(|k| fx.claim(k, "b")).collect();
+    let answers = fx.backend.claim_many(&claims).await.expect("claim_many");
+    for (key, answer) in keys.iter().zip(answers) {
+        let ClaimOutcome::Acquired(lease) = answer else {
+            panic!("a new key in a batch: {answer:?}");
+        };
+        let rec = fx.backend.get(key).await.expect("get").expect("record");
+        assert_eq!(
+            (lease.token, lease.attempts, lease.kind, &*rec.owner),
+            (1, 1, ClaimKind::First, "b")
+        );
+        assert_eq!(
+            rec.lease_until,
+            Some(lease.lease_until),
+            "{key}: the deadline"
+        );
+    }
 }
 
 /// Invariant 1: while a lease is live, every other claim is `InProgress` naming the holder.

@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -34,6 +35,11 @@ pub struct MySqlBackend {
     pub(crate) max_response_bytes: usize,
     purge_batch: u32,
     pub(crate) timeout: Duration,
+    /// Whether the last batch of claims was mostly keys with no row: the next one tries
+    /// the fresh insert first.
+    pub(crate) fresh_batches: Arc<AtomicBool>,
+    /// Whether the server has `INSERT … RETURNING`: 0 not asked yet, 1 no, 2 yes.
+    returning: Arc<AtomicU8>,
 }
 
 impl MySqlBackend {
@@ -92,6 +98,8 @@ impl MySqlBackend {
             max_response_bytes: config.max_response_bytes(),
             purge_batch: config.purge_batch().max(1),
             timeout: config.query_timeout(),
+            fresh_batches: Arc::new(AtomicBool::new(true)),
+            returning: Arc::new(AtomicU8::new(0)),
         })
     }
 
@@ -115,6 +123,32 @@ impl MySqlBackend {
         Ok(())
     }
 
+    /// Whether the server has `INSERT … RETURNING` (MariaDB 10.5 and later; MySQL has
+    /// not), asked once (`SELECT VERSION()`).
+    pub(crate) async fn returning(&self) -> Result<bool> {
+        match self.returning.load(Ordering::Relaxed) {
+            1 => return Ok(false),
+            2 => return Ok(true),
+            _ => {}
+        }
+        let query = sqlx::query_scalar::<_, String>("SELECT VERSION()").fetch_one(&self.pool);
+        let version = self.timed("read the server's version", query).await?;
+        let has = has_returning(&version);
+        self.returning
+            .store(if has { 2 } else { 1 }, Ordering::Relaxed);
+        Ok(has)
+    }
+
+    /// Runs `fut` within the query timeout, its driver error left to the caller; a
+    /// timeout is `Unavailable`.
+    pub(crate) async fn timed_raw<T>(
+        &self,
+        what: &str,
+        fut: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<Result<T, sqlx::Error>> {
+        idem_core::layer::within(what, self.timeout, Box::pin(async { Ok(fut.await) })).await
+    }
+
     /// Runs `fut` within the query timeout; a timeout is `Unavailable`.
     pub(crate) async fn timed<T>(
         &self,
@@ -125,15 +159,32 @@ impl MySqlBackend {
     }
 }
 
+/// Whether a server of `version` (`SELECT VERSION()`) has `INSERT … RETURNING`: MariaDB
+/// from 10.5.
+fn has_returning(version: &str) -> bool {
+    // `10.11.19-MariaDB-…`, or behind the `5.5.5-` that old handshakes put first.
+    let Some((number, _)) = version.split_once("-MariaDB") else {
+        return false;
+    };
+    let number = number.rsplit('-').next().unwrap_or(number);
+    let mut parts = number.split('.').map(|p| p.parse::<u32>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) >= (10, 5),
+        _ => false,
+    }
+}
+
 #[async_trait]
 impl Backend for MySqlBackend {
-    /// One transaction per batch: one locking read of the batch's records, one write of
-    /// the records granted, COMMIT (see `claim.rs`).
+    /// Keys with no row: one `INSERT IGNORE`; the rest one transaction per batch (one
+    /// locking read of the batch's records, one write of the records granted, COMMIT; see
+    /// `claim.rs`).
     async fn claim_many(&self, claims: &[Claim]) -> Result<Vec<ClaimOutcome>> {
         self.claim_batch(claims).await
     }
 
-    /// One transaction per batch, as for claims (see `settle.rs`).
+    /// Fenced updates; what they cannot answer, one transaction per batch, as for claims
+    /// (see `settle.rs`).
     async fn settle_many(
         &self,
         items: &[Settlement],
@@ -217,5 +268,19 @@ impl Backend for MySqlBackend {
             .with_list(true)
             .with_notify(false)
             .with_max_response_bytes(self.max_response_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_returning;
+
+    #[test]
+    fn returning_is_mariadb_from_10_5() {
+        assert!(has_returning("10.11.19-MariaDB-0+deb12u1"));
+        assert!(has_returning("11.4.2-MariaDB"));
+        assert!(has_returning("5.5.5-10.5.0-MariaDB"));
+        assert!(!has_returning("10.4.30-MariaDB"));
+        assert!(!has_returning("8.0.36"));
     }
 }

@@ -1,13 +1,38 @@
-//! Claims: one transaction per batch. The records of the batch's distinct keys are locked
-//! and read in one statement; each claim is answered in order by idem's state machine
-//! against the record the earlier claims left (so a key repeated in the batch sees the
-//! first claim's lease); the records granted are written in one statement (an insert for
-//! new keys, an upsert for existing ones); then COMMIT.
+//! Claims. A key with no row is claimed by one autocommitted `INSERT IGNORE`, with no
+//! transaction: one claim carries the server's clock back in the statement's answer
+//! (`LAST_INSERT_ID(now)`), a batch names the keys it inserted with `RETURNING` where the
+//! server has it (MariaDB 10.5+). The keys that exist (and, on a server without
+//! `RETURNING`, every key of a batch) take the locking transaction: the records of the
+//! distinct keys are locked and read in one statement, each claim is answered in order by
+//! idem's state machine against the record the earlier claims left (so a key repeated in
+//! the batch sees the first claim's lease), the records granted are written in one
+//! statement, then COMMIT. After a batch whose keys mostly existed, the next batch goes
+//! straight to the transaction.
 
-use idem_core::Result;
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+
 use idem_core::backend::{Claim, ClaimOutcome, machine};
+use idem_core::{Result, Timestamp};
+use sqlx::{AssertSqlSafe, Row};
 
 use crate::backend::MySqlBackend;
+use crate::error::{map, retryable};
+use crate::locked::{MyQuery, power_of_two_runs};
+
+/// The longest owner an `INSERT IGNORE` is given: a `BLOB` column's limit, which an
+/// ignoring insert would truncate to rather than refuse.
+const MAX_OWNER_BYTES: usize = u16::MAX as usize;
+/// The longest lease and retention an `INSERT IGNORE` is given (2^50 ms, about 35,000
+/// years): past it the server's sum could overflow, which an ignoring insert would clamp.
+const MAX_LIFE_MS: i64 = 1 << 50;
+
+/// Whether `claim` can take the ignoring insert: anything it would truncate or clamp goes
+/// to the transaction, whose insert refuses it.
+fn fits(claim: &Claim) -> bool {
+    claim.owner.len() <= MAX_OWNER_BYTES
+        && millis(claim.lease_ttl).saturating_add(millis(claim.retention)) <= MAX_LIFE_MS
+}
 
 impl MySqlBackend {
     /// The body of `claim_many` (see the module docs).
@@ -15,13 +40,102 @@ impl MySqlBackend {
         if claims.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<_> = claims.iter().map(|c| &c.key).collect();
+        let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
+        if let [claim] = claims {
+            answers[0] = self.claim_fresh_one(claim).await?;
+        } else if self.fresh_batches.load(Ordering::Relaxed) && self.returning().await? {
+            self.claim_fresh_many(claims, &mut answers).await?;
+            let new = answers.iter().filter(|a| a.is_some()).count();
+            self.fresh_batches
+                .store(2 * new >= claims.len(), Ordering::Relaxed);
+        } else {
+            // Batches of keys that exist skip the insert; one in sixteen tries it again.
+            self.fresh_batches
+                .store(fastrand::u8(..16) == 0, Ordering::Relaxed);
+        }
+        let rest: Vec<usize> = (0..claims.len())
+            .filter(|&i| answers[i].is_none())
+            .collect();
+        if !rest.is_empty() {
+            let locked = self.claim_locked(claims, &rest).await?;
+            for (i, answer) in rest.into_iter().zip(locked) {
+                answers[i] = Some(answer);
+            }
+        }
+        Ok(answers.into_iter().flatten().collect())
+    }
+
+    /// One claim of a key with no row: the insert alone. `None` when a row exists (live
+    /// or expired), for the transaction to decide.
+    async fn claim_fresh_one(&self, claim: &Claim) -> Result<Option<ClaimOutcome>> {
+        if !fits(claim) {
+            return Ok(None);
+        }
+        let sql = self.tables.claim_fresh(1, false);
+        let query = bind_fresh(sqlx::query(AssertSqlSafe(sql)), claim);
+        let done = self.timed("claim", query.execute(&self.pool)).await?;
+        if done.rows_affected() == 0 {
+            return Ok(None);
+        }
+        let now = Timestamp::from_millis(done.last_insert_id());
+        Ok(Some(ClaimOutcome::Acquired(machine::first(claim, now).0)))
+    }
+
+    /// The first claim of each distinct key of a batch, inserted where the key has no row,
+    /// in runs of keys sorted by key (so that concurrent batches take their locks in one
+    /// order): answers those inserted. A run that meets a deadlock leaves its keys to the
+    /// transaction.
+    async fn claim_fresh_many(
+        &self,
+        claims: &[Claim],
+        answers: &mut [Option<ClaimOutcome>],
+    ) -> Result<()> {
+        let mut seen = HashSet::with_capacity(claims.len());
+        let mut firsts: Vec<usize> = (0..claims.len())
+            .filter(|&i| seen.insert(&claims[i].key))
+            .filter(|&i| fits(&claims[i]))
+            .collect();
+        firsts.sort_unstable_by(|&a, &b| claims[a].key.cmp(&claims[b].key));
+        for run in power_of_two_runs(&firsts, FRESH_CHUNK) {
+            let sql = self.tables.claim_fresh(run.len(), true);
+            let mut query = sqlx::query(AssertSqlSafe(sql));
+            for &i in run {
+                query = bind_fresh(query, &claims[i]);
+            }
+            let rows = match self.timed_raw("claim", query.fetch_all(&self.pool)).await? {
+                Ok(rows) => rows,
+                Err(e) if retryable(&e) => continue,
+                Err(e) => return Err(map("claim", e)),
+            };
+            for row in &rows {
+                let get = |e: sqlx::Error| map("claim", e);
+                let namespace: Vec<u8> = row.try_get(0).map_err(get)?;
+                let id: Vec<u8> = row.try_get(1).map_err(get)?;
+                let until: i64 = row.try_get(2).map_err(get)?;
+                let Some(&i) = run.iter().find(|&&i| {
+                    claims[i].key.namespace().as_bytes() == namespace
+                        && claims[i].key.id().as_bytes() == id
+                }) else {
+                    return Err(idem_core::Error::corrupt(
+                        "the fresh insert returned a key that was not claimed",
+                    ));
+                };
+                let now = inserted_at(&claims[i], until);
+                answers[i] = Some(ClaimOutcome::Acquired(machine::first(&claims[i], now).0));
+            }
+        }
+        Ok(())
+    }
+
+    /// The claims at `rest` (positions in `claims`, in order) in one locking transaction.
+    async fn claim_locked(&self, claims: &[Claim], rest: &[usize]) -> Result<Vec<ClaimOutcome>> {
+        let keys: Vec<_> = rest.iter().map(|&i| &claims[i].key).collect();
         self.transact("claim", &keys, |locked| {
             let now = locked.now;
-            claims
-                .iter()
-                .map(|claim| {
-                    let (answer, write) = machine::claim(locked.get(&claim.key), claim, now);
+            rest.iter()
+                .map(|&i| {
+                    let (answer, write) =
+                        machine::claim(locked.get(&claims[i].key), &claims[i], now);
                     if let Some(record) = write {
                         locked.set(record);
                     }
@@ -31,4 +145,30 @@ impl MySqlBackend {
         })
         .await
     }
+}
+
+/// Rows per fresh insert (6 parameters each), a power of two.
+const FRESH_CHUNK: usize = 256;
+
+/// Binds one claim's values to a fresh insert (`Tables::claim_fresh`).
+fn bind_fresh<'q>(query: MyQuery<'q>, claim: &'q Claim) -> MyQuery<'q> {
+    let ttl = millis(claim.lease_ttl);
+    query
+        .bind(claim.key.namespace().as_bytes())
+        .bind(claim.key.id().as_bytes())
+        .bind(claim.owner.as_bytes())
+        .bind(ttl)
+        .bind(claim.fingerprint.as_ref().map(|f| &f.0[..]))
+        .bind(ttl.saturating_add(millis(claim.retention)))
+}
+
+/// A duration in whole milliseconds, as the record's clock counts them.
+fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The server's clock when `claim` was inserted with the lease deadline `until_ms`.
+fn inserted_at(claim: &Claim, until_ms: i64) -> Timestamp {
+    let now = until_ms.saturating_sub(millis(claim.lease_ttl));
+    Timestamp::from_millis(u64::try_from(now).unwrap_or(0))
 }

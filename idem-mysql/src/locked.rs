@@ -37,7 +37,7 @@ const WRITE_CHUNK: usize = 256;
 // nothing), and writes are cut into power-of-two runs: at most 12 + 2 × 9 texts.
 
 /// `items` cut into runs whose lengths are powers of two, at most `max`, longest first.
-fn power_of_two_runs<T>(items: &[T], max: usize) -> impl Iterator<Item = &[T]> {
+pub(crate) fn power_of_two_runs<T>(items: &[T], max: usize) -> impl Iterator<Item = &[T]> {
     let mut rest = items;
     std::iter::from_fn(move || {
         if rest.is_empty() {

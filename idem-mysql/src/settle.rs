@@ -1,15 +1,25 @@
-//! Settles: one transaction per batch, like claims. An oversized response is refused
-//! before anything is sent; the other items are decided in order by idem's state machine
-//! against the locked records (so a key settled twice sees the first settle's result), and
-//! the records that changed are written in one statement. Extends go the same way.
+//! Settles. An oversized response is refused before anything is sent. Completes and
+//! fails of distinct keys are fenced updates: one autocommitted `UPDATE … WHERE` the lease
+//! holds the record for a single item (its row count is the answer); for a batch, one
+//! `UPDATE … JOIN` per run of keys in a transaction that commits only if every item held,
+//! and rolls back otherwise, so that no item's answer is guessed. The rest (a release, a
+//! key settled twice in one batch, a batch where some lease no longer held) take the
+//! locking transaction: the items are decided in order by idem's state machine against the
+//! locked records (so a key settled twice sees the first settle's result), and the records
+//! that changed are written in one statement. Extends go the same way.
 
 use std::time::Duration;
 
-use idem_core::backend::{Settlement, check_response, machine, per_item};
-use idem_core::{Error, Lease, Result, Timestamp};
+use idem_core::backend::{Settle, Settlement, check_response, machine, per_item};
+use idem_core::{Error, FailureKind, Lease, Result, Timestamp};
+use sqlx::AssertSqlSafe;
 
 use crate::backend::MySqlBackend;
-use crate::locked::Locked;
+use crate::error::{map, retryable};
+use crate::locked::{Locked, MyQuery, power_of_two_runs};
+
+/// Items per fenced update (9 parameters each), a power of two.
+const SETTLE_CHUNK: usize = 256;
 
 impl MySqlBackend {
     /// The body of `settle_many` (see the module docs).
@@ -31,14 +41,10 @@ impl MySqlBackend {
             }
         }
         if !sent.is_empty() {
-            let keys: Vec<_> = sent.iter().map(|&i| &items[i].lease.key).collect();
-            let settled = self
-                .transact("settle", &keys, |locked| {
-                    sent.iter()
-                        .map(|&i| settle_locked(locked, &items[i], retention))
-                        .collect::<Vec<_>>()
-                })
-                .await?;
+            let settled = match self.settle_fenced(items, &sent, retention).await? {
+                Some(settled) => settled,
+                None => self.settle_locked_batch(items, &sent, retention).await?,
+            };
             for (i, answer) in sent.into_iter().zip(settled) {
                 answers[i] = Some(answer);
             }
@@ -47,6 +53,82 @@ impl MySqlBackend {
             .into_iter()
             .map(|a| a.ok_or_else(|| Error::corrupt("a settle was not answered")))
             .collect()
+    }
+
+    /// The items at `sent` as fenced updates, or `None` where the locking transaction must
+    /// decide them (see the module docs).
+    async fn settle_fenced(
+        &self,
+        items: &[Settlement],
+        sent: &[usize],
+        retention: Duration,
+    ) -> Result<Option<Vec<Result<()>>>> {
+        let mut seen = std::collections::HashSet::with_capacity(sent.len());
+        let fits = sent.iter().all(|&i| {
+            !matches!(items[i].settle, Settle::Release) && seen.insert(&items[i].lease.key)
+        });
+        if !fits {
+            return Ok(None);
+        }
+        let keep = millis(retention);
+        if let [i] = *sent {
+            let item = &items[i];
+            let query = bind_settle(
+                sqlx::query(AssertSqlSafe(self.tables.settle_one())),
+                item,
+                keep,
+            );
+            let query = bind_fence(query, &item.lease);
+            let done = self.timed("settle", query.execute(&self.pool)).await?;
+            let held = done.rows_affected() == 1;
+            return Ok(Some(vec![if held {
+                Ok(())
+            } else {
+                Err(Error::fenced(&item.lease))
+            }]));
+        }
+        let mut order = sent.to_vec();
+        order.sort_unstable_by(|&a, &b| items[a].lease.key.cmp(&items[b].lease.key));
+        let run = async {
+            let mut tx = self.pool.begin().await?;
+            let mut held = 0;
+            for run in power_of_two_runs(&order, SETTLE_CHUNK) {
+                let mut query = sqlx::query(AssertSqlSafe(self.tables.settle_many(run.len())));
+                for &i in run {
+                    query = bind_settle(bind_fence(query, &items[i].lease), &items[i], keep);
+                }
+                held += query.execute(&mut *tx).await?.rows_affected();
+            }
+            if held == order.len() as u64 {
+                tx.commit().await?;
+                Ok(true)
+            } else {
+                tx.rollback().await?;
+                Ok(false)
+            }
+        };
+        match self.timed_raw("settle", run).await? {
+            Ok(true) => Ok(Some(sent.iter().map(|_| Ok(())).collect())),
+            Ok(false) => Ok(None),
+            Err(e) if retryable(&e) => Ok(None),
+            Err(e) => Err(map("settle", e)),
+        }
+    }
+
+    /// The items at `sent` in the locking transaction.
+    async fn settle_locked_batch(
+        &self,
+        items: &[Settlement],
+        sent: &[usize],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        let keys: Vec<_> = sent.iter().map(|&i| &items[i].lease.key).collect();
+        self.transact("settle", &keys, |locked| {
+            sent.iter()
+                .map(|&i| settle_locked(locked, &items[i], retention))
+                .collect::<Vec<_>>()
+        })
+        .await
     }
 
     /// The body of `extend`.
@@ -82,4 +164,40 @@ pub(crate) fn settle_locked(
         }
         None => Err(Error::fenced(&item.lease)),
     }
+}
+
+/// A duration in whole milliseconds, as the record's clock counts them.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Binds a lease's key, token and owner, in that order.
+fn bind_fence<'q>(query: MyQuery<'q>, lease: &'q Lease) -> MyQuery<'q> {
+    query
+        .bind(lease.key.namespace().as_bytes())
+        .bind(lease.key.id().as_bytes())
+        .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+        .bind(lease.owner.as_bytes())
+}
+
+/// Binds what a complete or fail writes: the state, the response, the error text, whether
+/// the failure is permanent, and the retention in milliseconds (a release is not bound
+/// here: it takes the locking transaction).
+fn bind_settle<'q>(query: MyQuery<'q>, item: &'q Settlement, keep: i64) -> MyQuery<'q> {
+    let (state, response, error, permanent) = match &item.settle {
+        Settle::Complete(response) => ("completed", Some(&response[..]), None, false),
+        Settle::Fail { error, kind } => (
+            "failed",
+            None,
+            Some(error.as_bytes()),
+            *kind == FailureKind::Permanent,
+        ),
+        Settle::Release => ("processing", None, None, false),
+    };
+    query
+        .bind(state)
+        .bind(response)
+        .bind(error)
+        .bind(permanent)
+        .bind(keep)
 }

@@ -123,6 +123,71 @@ impl Tables {
         s
     }
 
+    /// Inserts the first claim of `n` keys, each where the key has no row (`INSERT IGNORE`):
+    /// per key its namespace, id, owner, lease ttl (ms), fingerprint and ttl plus
+    /// retention (ms), decided on the server's clock. With `returning` (MariaDB 10.5+) the
+    /// keys inserted come back with their lease deadlines; without it (one key), the
+    /// statement's answer carries the server's clock as `LAST_INSERT_ID`, and its row
+    /// count says whether the key was inserted.
+    pub fn claim_fresh(&self, n: usize, returning: bool) -> String {
+        let now = if returning {
+            NOW_MS.to_owned()
+        } else {
+            format!("LAST_INSERT_ID({NOW_MS})")
+        };
+        let row =
+            format!("(?, ?, 'processing', ?, 1, 1, {now} + ?, ?, NULL, NULL, FALSE, {NOW_MS} + ?)");
+        let mut s = format!(
+            "INSERT IGNORE INTO {} ({}) VALUES ",
+            self.records,
+            COLUMNS.join(", ")
+        );
+        s.push_str(&vec![row; n].join(", "));
+        if returning {
+            s.push_str(" RETURNING namespace, id, lease_until_ms");
+        }
+        s
+    }
+
+    /// Completes or fails one record if the lease still holds it (a live `processing`
+    /// record with the lease's token and owner): the state, response, error text, whether
+    /// permanent and the retention (ms), then the key, token and owner. One row affected
+    /// is the lease held; none is fenced.
+    pub fn settle_one(&self) -> String {
+        format!(
+            "UPDATE {} SET state = ?, response = ?, error = ?, permanent = ?, \
+             lease_until_ms = NULL, expires_at_ms = {NOW_MS} + ? \
+             WHERE namespace = ? AND id = ? AND token = ? AND owner = ? \
+             AND state = 'processing' AND {}",
+            self.records,
+            live()
+        )
+    }
+
+    /// [`Tables::settle_one`] for `n` records of distinct keys, joined to a table of the
+    /// items (per item the key, token and owner, then what `settle_one` writes): the rows
+    /// affected are the leases that held.
+    pub fn settle_many(&self, n: usize) -> String {
+        let mut s = format!(
+            "UPDATE {} r JOIN (SELECT ? AS s_ns, ? AS s_id, ? AS s_token, ? AS s_owner, \
+             ? AS s_state, ? AS s_response, ? AS s_error, ? AS s_permanent, ? AS s_keep",
+            self.records
+        );
+        for _ in 1..n {
+            s.push_str(" UNION ALL SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?");
+        }
+        let _ = write!(
+            s,
+            ") s ON r.namespace = s.s_ns AND r.id = s.s_id \
+             SET r.state = s.s_state, r.response = s.s_response, r.error = s.s_error, \
+             r.permanent = s.s_permanent, r.lease_until_ms = NULL, \
+             r.expires_at_ms = {NOW_MS} + s.s_keep \
+             WHERE r.token = s.s_token AND r.owner = s.s_owner AND r.state = 'processing' \
+             AND (r.expires_at_ms IS NULL OR r.expires_at_ms > {NOW_MS})"
+        );
+        s
+    }
+
     /// Writes `n` records over rows this transaction holds locked.
     pub fn upsert(&self, n: usize) -> String {
         let mut s = self.insert(n);
@@ -253,5 +318,10 @@ mod tests {
         );
         assert!(!t.upsert(1).contains("id = VALUES(id)"));
         assert_eq!(Tables::new(None).offsets, "idem_offsets");
+        assert_eq!(t.claim_fresh(3, true).matches('?').count(), 3 * 6);
+        assert!(t.claim_fresh(1, false).contains("LAST_INSERT_ID(CAST("));
+        assert!(!t.claim_fresh(1, false).contains("RETURNING"));
+        assert_eq!(t.settle_one().matches('?').count(), 9);
+        assert_eq!(t.settle_many(4).matches('?').count(), 4 * 9);
     }
 }
