@@ -15,7 +15,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlSslMode
 use sqlx::{AssertSqlSafe, Executor};
 
 use crate::config::MySqlConfig;
-use crate::error::{first_contact, map, within};
+use crate::error::{code, first_contact, map, number, within};
 use crate::row::{decode, row_key};
 use crate::sql::Tables;
 
@@ -114,11 +114,24 @@ impl MySqlBackend {
     }
 
     /// Creates the schema (if one is configured) and the tables `idem_records` and
-    /// `idem_offsets`, where missing (idempotent).
+    /// `idem_offsets`, where missing (idempotent), and drops the expiry index that earlier
+    /// versions put on `idem_records`.
     pub async fn migrate(&self) -> Result<()> {
         for stmt in self.tables.migrations() {
             let query = sqlx::query(AssertSqlSafe(stmt)).execute(&self.pool);
             self.timed("migrate", query).await?;
+        }
+        // A table created by an earlier version has an index on the expiry, which every
+        // write paid for; it goes.
+        let has = sqlx::query_scalar::<_, i64>(self.tables.has_expiry_index())
+            .bind(self.schema.as_deref())
+            .fetch_one(&self.pool);
+        if self.timed("migrate", has).await? > 0 {
+            let drop = sqlx::query(AssertSqlSafe(self.tables.drop_expiry_index()));
+            match self.timed_raw("migrate", drop.execute(&self.pool)).await? {
+                Err(e) if number(&e) != Some(code::NO_SUCH_INDEX) => return Err(map("migrate", e)),
+                _ => {}
+            }
         }
         Ok(())
     }
@@ -222,15 +235,31 @@ impl Backend for MySqlBackend {
         Ok(false)
     }
 
+    /// A walk of the primary key in chunks of `purge_batch` rows: per chunk, one read of
+    /// the key that ends it and one delete of its expired records, so that no statement
+    /// scans (or locks) more than a chunk, with no index on the expiry.
     async fn purge_expired(&self) -> Result<u64> {
         let mut purged = 0;
+        let mut after: Option<(Vec<u8>, Vec<u8>)> = None;
         loop {
-            let query =
-                sqlx::query(AssertSqlSafe(self.tables.purge())).bind(i64::from(self.purge_batch));
+            let sql = self.tables.purge_bound(after.is_none());
+            let mut query = sqlx::query_as::<_, (Vec<u8>, Vec<u8>)>(AssertSqlSafe(sql));
+            if let Some((ns, id)) = &after {
+                query = query.bind(ns).bind(ns).bind(id);
+            }
+            let offset = i64::from(self.purge_batch.max(1) - 1);
+            let bound = query.bind(offset).fetch_optional(&self.pool);
+            let bound = self.timed("purge", bound).await?;
+            let sql = self.tables.purge_chunk(after.is_none(), bound.is_none());
+            let mut query = sqlx::query(AssertSqlSafe(sql));
+            for (ns, id) in after.iter().chain(&bound) {
+                query = query.bind(ns).bind(ns).bind(id);
+            }
             let done = self.timed("purge", query.execute(&self.pool)).await?;
             purged += done.rows_affected();
-            if done.rows_affected() < u64::from(self.purge_batch) {
-                return Ok(purged);
+            match bound {
+                Some(bound) => after = Some(bound),
+                None => return Ok(purged),
             }
         }
     }

@@ -9,7 +9,7 @@
 //! statement, then COMMIT. After a batch whose keys mostly existed, the next batch goes
 //! straight to the transaction.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 
 use idem_core::backend::{Claim, ClaimOutcome, machine};
@@ -18,7 +18,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use crate::backend::MySqlBackend;
 use crate::error::{map, retryable};
-use crate::locked::{MyQuery, power_of_two_runs};
+use crate::locked::MyQuery;
 
 /// The longest owner an `INSERT IGNORE` is given: a `BLOB` column's limit, which an
 /// ignoring insert would truncate to rather than refuse.
@@ -82,9 +82,9 @@ impl MySqlBackend {
     }
 
     /// The first claim of each distinct key of a batch, inserted where the key has no row,
-    /// in runs of keys sorted by key (so that concurrent batches take their locks in one
-    /// order): answers those inserted. A run that meets a deadlock leaves its keys to the
-    /// transaction.
+    /// sorted by key (so that concurrent batches take their locks in one order), in runs of
+    /// up to [`FRESH_CHUNK`]: answers those inserted. A run that meets a deadlock leaves its
+    /// keys to the transaction.
     async fn claim_fresh_many(
         &self,
         claims: &[Claim],
@@ -96,10 +96,18 @@ impl MySqlBackend {
             .filter(|&i| fits(&claims[i]))
             .collect();
         firsts.sort_unstable_by(|&a, &b| claims[a].key.cmp(&claims[b].key));
-        for run in power_of_two_runs(&firsts, FRESH_CHUNK) {
-            let sql = self.tables.claim_fresh(run.len(), true);
+        for run in firsts.chunks(FRESH_CHUNK) {
+            // Padded to a power of two with the run's last claim, whose repeats are ignored
+            // as duplicates of its own row: one statement, one commit, and a text the
+            // statement cache has (see `locked.rs`).
+            let padded = run.len().next_power_of_two();
+            let sql = self.tables.claim_fresh(padded, true);
             let mut query = sqlx::query(AssertSqlSafe(sql));
-            for &i in run {
+            let last = run[run.len() - 1];
+            for &i in run
+                .iter()
+                .chain(std::iter::repeat_n(&last, padded - run.len()))
+            {
                 query = bind_fresh(query, &claims[i]);
             }
             let rows = match self.timed_raw("claim", query.fetch_all(&self.pool)).await? {
@@ -107,15 +115,19 @@ impl MySqlBackend {
                 Err(e) if retryable(&e) => continue,
                 Err(e) => return Err(map("claim", e)),
             };
+            let at: HashMap<(&[u8], &[u8]), usize> = run
+                .iter()
+                .map(|&i| {
+                    let key = &claims[i].key;
+                    ((key.namespace().as_bytes(), key.id().as_bytes()), i)
+                })
+                .collect();
             for row in &rows {
                 let get = |e: sqlx::Error| map("claim", e);
-                let namespace: Vec<u8> = row.try_get(0).map_err(get)?;
-                let id: Vec<u8> = row.try_get(1).map_err(get)?;
+                let namespace: &[u8] = row.try_get(0).map_err(get)?;
+                let id: &[u8] = row.try_get(1).map_err(get)?;
                 let until: i64 = row.try_get(2).map_err(get)?;
-                let Some(&i) = run.iter().find(|&&i| {
-                    claims[i].key.namespace().as_bytes() == namespace
-                        && claims[i].key.id().as_bytes() == id
-                }) else {
+                let Some(&i) = at.get(&(namespace, id)) else {
                     return Err(idem_core::Error::corrupt(
                         "the fresh insert returned a key that was not claimed",
                     ));
@@ -147,8 +159,9 @@ impl MySqlBackend {
     }
 }
 
-/// Rows per fresh insert (6 parameters each), a power of two.
-const FRESH_CHUNK: usize = 256;
+/// Claims per fresh insert (6 parameters each), a power of two: a consumer's poll batch
+/// of up to 500 is one statement.
+const FRESH_CHUNK: usize = 512;
 
 /// Binds one claim's values to a fresh insert (`Tables::claim_fresh`).
 fn bind_fresh<'q>(query: MyQuery<'q>, claim: &'q Claim) -> MyQuery<'q> {

@@ -75,7 +75,8 @@ impl MySqlConfig {
         self
     }
 
-    /// Rows deleted per statement of `purge_expired` (default 1,000; at least 1).
+    /// Rows per chunk of `purge_expired`'s walk of the table: each chunk is one read and one
+    /// delete, which scans and locks no more than it (default 1,000; at least 1).
     pub fn with_purge_batch(mut self, rows: u32) -> Self {
         self.purge_batch = rows.max(1);
         self
@@ -111,7 +112,7 @@ impl MySqlConfig {
         self.max_response_bytes
     }
 
-    /// Rows deleted per statement of `purge_expired`.
+    /// Rows per chunk of `purge_expired`'s walk.
     pub fn purge_batch(&self) -> u32 {
         self.purge_batch
     }

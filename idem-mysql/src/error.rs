@@ -10,6 +10,8 @@ pub(crate) mod code {
     pub const DEADLOCK: u16 = 1213;
     /// `ER_LOCK_WAIT_TIMEOUT`.
     pub const LOCK_WAIT: u16 = 1205;
+    /// `ER_CANT_DROP_FIELD_OR_KEY`: a concurrent migration dropped the index first.
+    pub const NO_SUCH_INDEX: u16 = 1091;
     /// `ER_NO_SUCH_TABLE`.
     pub const NO_TABLE: u16 = 1146;
     /// `ER_BAD_DB_ERROR`.

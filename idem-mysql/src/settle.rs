@@ -16,10 +16,11 @@ use sqlx::AssertSqlSafe;
 
 use crate::backend::MySqlBackend;
 use crate::error::{map, retryable};
-use crate::locked::{Locked, MyQuery, power_of_two_runs};
+use crate::locked::{Locked, MyQuery};
 
-/// Items per fenced update (9 parameters each), a power of two.
-const SETTLE_CHUNK: usize = 256;
+/// Items per fenced batch statement (9 parameters each), a power of two: a consumer's poll
+/// batch of up to 500 is one statement.
+const SETTLE_CHUNK: usize = 512;
 
 impl MySqlBackend {
     /// The body of `settle_many` (see the module docs).
@@ -73,12 +74,10 @@ impl MySqlBackend {
         let keep = millis(retention);
         if let [i] = *sent {
             let item = &items[i];
-            let query = bind_settle(
-                sqlx::query(AssertSqlSafe(self.tables.settle_one())),
-                item,
-                keep,
-            );
-            let query = bind_fence(query, &item.lease);
+            let query = sqlx::query(AssertSqlSafe(self.tables.settle_one()))
+                .bind(keep)
+                .bind(keep);
+            let query = bind_fence(bind_settle(query, item), &item.lease);
             let done = self.timed("settle", query.execute(&self.pool)).await?;
             let held = done.rows_affected() == 1;
             return Ok(Some(vec![if held {
@@ -87,19 +86,35 @@ impl MySqlBackend {
                 Err(Error::fenced(&item.lease))
             }]));
         }
+        if keep == 0 {
+            // The batch statement's fence needs the new expiry to be past now.
+            return Ok(None);
+        }
         let mut order = sent.to_vec();
         order.sort_unstable_by(|&a, &b| items[a].lease.key.cmp(&items[b].lease.key));
         let run = async {
             let mut tx = self.pool.begin().await?;
             let mut held = 0;
-            for run in power_of_two_runs(&order, SETTLE_CHUNK) {
-                let mut query = sqlx::query(AssertSqlSafe(self.tables.settle_many(run.len())));
-                for &i in run {
-                    query = bind_settle(bind_fence(query, &items[i].lease), &items[i], keep);
+            let mut want = 0;
+            for run in order.chunks(SETTLE_CHUNK) {
+                // Padded to a power of two with the run's last item: a repeat finds the
+                // record its first occurrence settled (or left alone) and changes nothing,
+                // one row affected each.
+                let padded = run.len().next_power_of_two();
+                let last = run[run.len() - 1];
+                let mut query = sqlx::query(AssertSqlSafe(self.tables.settle_many(padded)));
+                for &i in run
+                    .iter()
+                    .chain(std::iter::repeat_n(&last, padded - run.len()))
+                {
+                    query = bind_settle(bind_fence(query, &items[i].lease), &items[i]).bind(keep);
                 }
                 held += query.execute(&mut *tx).await?.rows_affected();
+                want += 2 * run.len() as u64 + (padded - run.len()) as u64;
             }
-            if held == order.len() as u64 {
+            // Two rows affected per item whose lease held, one per repeat (see
+            // `Tables::settle_many`).
+            if held == want {
                 tx.commit().await?;
                 Ok(true)
             } else {
@@ -180,10 +195,10 @@ fn bind_fence<'q>(query: MyQuery<'q>, lease: &'q Lease) -> MyQuery<'q> {
         .bind(lease.owner.as_bytes())
 }
 
-/// Binds what a complete or fail writes: the state, the response, the error text, whether
-/// the failure is permanent, and the retention in milliseconds (a release is not bound
-/// here: it takes the locking transaction).
-fn bind_settle<'q>(query: MyQuery<'q>, item: &'q Settlement, keep: i64) -> MyQuery<'q> {
+/// Binds what a complete or fail writes: the state, the response, the error text and
+/// whether the failure is permanent (a release is not bound here: it takes the locking
+/// transaction).
+fn bind_settle<'q>(query: MyQuery<'q>, item: &'q Settlement) -> MyQuery<'q> {
     let (state, response, error, permanent) = match &item.settle {
         Settle::Complete(response) => ("completed", Some(&response[..]), None, false),
         Settle::Fail { error, kind } => (
@@ -194,10 +209,5 @@ fn bind_settle<'q>(query: MyQuery<'q>, item: &'q Settlement, keep: i64) -> MyQue
         ),
         Settle::Release => ("processing", None, None, false),
     };
-    query
-        .bind(state)
-        .bind(response)
-        .bind(error)
-        .bind(permanent)
-        .bind(keep)
+    query.bind(state).bind(response).bind(error).bind(permanent)
 }

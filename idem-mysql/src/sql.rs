@@ -51,7 +51,9 @@ impl Tables {
             out.push(format!("CREATE DATABASE IF NOT EXISTS {schema}"));
         }
         // Keys, owners and texts are bytes: compared byte for byte, stored as given,
-        // whatever the server's default character set and collation.
+        // whatever the server's default character set and collation. No index on the
+        // expiry: it cost a quarter of the Kafka loop's throughput (docs/performance.md),
+        // and `purge_expired` walks the primary key instead.
         out.push(format!(
             "CREATE TABLE IF NOT EXISTS {} (
                 namespace VARBINARY(128) NOT NULL,
@@ -66,8 +68,7 @@ impl Tables {
                 error MEDIUMBLOB NULL,
                 permanent BOOLEAN NOT NULL DEFAULT FALSE,
                 expires_at_ms BIGINT NULL,
-                PRIMARY KEY (namespace, id),
-                KEY idem_records_expiry (expires_at_ms)
+                PRIMARY KEY (namespace, id)
             ) ENGINE = InnoDB",
             self.records
         ));
@@ -150,40 +151,56 @@ impl Tables {
     }
 
     /// Completes or fails one record if the lease still holds it (a live `processing`
-    /// record with the lease's token and owner): the state, response, error text, whether
-    /// permanent and the retention (ms), then the key, token and owner. One row affected
-    /// is the lease held; none is fenced.
+    /// record with the lease's token and owner): the retention (ms) twice, the state,
+    /// response, error text and whether permanent, then the key, token and owner. One row
+    /// affected is the lease held; none is fenced.
     pub fn settle_one(&self) -> String {
         format!(
-            "UPDATE {} SET state = ?, response = ?, error = ?, permanent = ?, \
-             lease_until_ms = NULL, expires_at_ms = {NOW_MS} + ? \
+            "UPDATE {} SET expires_at_ms = {}, state = ?, response = ?, error = ?, \
+             permanent = ?, lease_until_ms = NULL \
              WHERE namespace = ? AND id = ? AND token = ? AND owner = ? \
              AND state = 'processing' AND {}",
             self.records,
+            settled_expiry("", "?"),
             live()
         )
     }
 
-    /// [`Tables::settle_one`] for `n` records of distinct keys, joined to a table of the
-    /// items (per item the key, token and owner, then what `settle_one` writes): the rows
-    /// affected are the leases that held.
+    /// [`Tables::settle_one`] for `n` records of distinct keys, as one multi-row insert
+    /// that updates where the lease holds (per item the key, token and owner, then the
+    /// state, response, error text, whether permanent and the retention in ms). Every item
+    /// whose lease held counts 2 rows affected; one that did not counts 1, and so does a
+    /// key with no row, which the insert adds: the caller commits only if every item
+    /// counted 2, and rolls back otherwise. Assignments run left to right, each seeing the
+    /// ones before: the expiry goes first (it reads the lease's deadline), the state last
+    /// (the fence reads it), and with a retention above zero an item that held still
+    /// passes the fence after its new expiry.
     pub fn settle_many(&self, n: usize) -> String {
-        let mut s = format!(
-            "UPDATE {} r JOIN (SELECT ? AS s_ns, ? AS s_id, ? AS s_token, ? AS s_owner, \
-             ? AS s_state, ? AS s_response, ? AS s_error, ? AS s_permanent, ? AS s_keep",
-            self.records
+        let row = "(?, ?, ?, ?, ?, ?, ?, ?, ?, 0)";
+        let fence = format!(
+            "(token = VALUES(token) AND owner = VALUES(owner) AND state = 'processing' \
+             AND {})",
+            live()
         );
-        for _ in 1..n {
-            s.push_str(" UNION ALL SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?");
+        let mut s = format!(
+            "INSERT INTO {} (namespace, id, token, owner, state, response, error, permanent, \
+             expires_at_ms, attempts) VALUES {} ON DUPLICATE KEY UPDATE ",
+            self.records,
+            vec![row; n].join(", ")
+        );
+        let keep = "VALUES(expires_at_ms)";
+        let _ = write!(
+            s,
+            "expires_at_ms = IF({fence}, {}, expires_at_ms)",
+            settled_expiry("", keep)
+        );
+        for c in ["response", "error", "permanent"] {
+            let _ = write!(s, ", {c} = IF({fence}, VALUES({c}), {c})");
         }
         let _ = write!(
             s,
-            ") s ON r.namespace = s.s_ns AND r.id = s.s_id \
-             SET r.state = s.s_state, r.response = s.s_response, r.error = s.s_error, \
-             r.permanent = s.s_permanent, r.lease_until_ms = NULL, \
-             r.expires_at_ms = {NOW_MS} + s.s_keep \
-             WHERE r.token = s.s_token AND r.owner = s.s_owner AND r.state = 'processing' \
-             AND (r.expires_at_ms IS NULL OR r.expires_at_ms > {NOW_MS})"
+            ", lease_until_ms = IF({fence}, NULL, lease_until_ms), \
+             state = IF({fence}, VALUES(state), state)"
         );
         s
     }
@@ -228,10 +245,49 @@ impl Tables {
         )
     }
 
-    /// Deletes at most `?` expired records.
-    pub fn purge(&self) -> String {
+    /// The key `?` rows into the next chunk of a purge's walk, in primary key order: the
+    /// chunk starts after the key bound before it (namespace, namespace, id) unless `first`.
+    pub fn purge_bound(&self, first: bool) -> String {
+        let after = if first {
+            ""
+        } else {
+            " WHERE (namespace > ? OR (namespace = ? AND id > ?))"
+        };
         format!(
-            "DELETE FROM {} WHERE expires_at_ms <= {NOW_MS} LIMIT ?",
+            "SELECT namespace, id FROM {}{after} ORDER BY namespace, id LIMIT 1 OFFSET ?",
+            self.records
+        )
+    }
+
+    /// Deletes the expired records of one chunk of a purge's walk: after a key (namespace,
+    /// namespace, id) unless `first`, up to and including one (the same three) unless
+    /// `last`.
+    pub fn purge_chunk(&self, first: bool, last: bool) -> String {
+        let mut s = format!(
+            "DELETE FROM {} WHERE expires_at_ms <= {NOW_MS}",
+            self.records
+        );
+        if !first {
+            s.push_str(" AND (namespace > ? OR (namespace = ? AND id > ?))");
+        }
+        if !last {
+            s.push_str(" AND (namespace < ? OR (namespace = ? AND id <= ?))");
+        }
+        s
+    }
+
+    /// Whether the records table has the expiry index that earlier versions created
+    /// (`information_schema`; the schema bound, NULL for the connection's database).
+    pub fn has_expiry_index(&self) -> &'static str {
+        "SELECT COUNT(*) FROM information_schema.STATISTICS \
+         WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = 'idem_records' \
+         AND INDEX_NAME = 'idem_records_expiry'"
+    }
+
+    /// Drops that index.
+    pub fn drop_expiry_index(&self) -> String {
+        format!(
+            "ALTER TABLE {} DROP INDEX idem_records_expiry",
             self.records
         )
     }
@@ -295,6 +351,19 @@ fn columns(prefix: &str) -> String {
         .join(", ")
 }
 
+/// The expiry a complete or fail of record `r` (a column prefix, or nothing) writes:
+/// `retention` (ms, a placeholder or a column) from now, except that within the lease a
+/// record whose expiry is still its claim's (`lease_until + retention`) keeps it. Then no
+/// indexed column changes, so InnoDB writes no secondary index entry, and the record
+/// lives up to one lease longer than `retention` past its settle (as in PostgreSQL).
+/// Assigned first, while `lease_until_ms` is still the lease's.
+fn settled_expiry(r: &str, retention: &str) -> String {
+    format!(
+        "IF({r}lease_until_ms >= {NOW_MS} AND {r}expires_at_ms = {r}lease_until_ms + {retention}, \
+         {r}expires_at_ms, {NOW_MS} + {retention})"
+    )
+}
+
 /// The condition of a live record: not past its retention on the server's clock.
 fn live() -> String {
     format!("(expires_at_ms IS NULL OR expires_at_ms > {NOW_MS})")
@@ -321,7 +390,14 @@ mod tests {
         assert_eq!(t.claim_fresh(3, true).matches('?').count(), 3 * 6);
         assert!(t.claim_fresh(1, false).contains("LAST_INSERT_ID(CAST("));
         assert!(!t.claim_fresh(1, false).contains("RETURNING"));
-        assert_eq!(t.settle_one().matches('?').count(), 9);
+        assert_eq!(t.settle_one().matches('?').count(), 10);
         assert_eq!(t.settle_many(4).matches('?').count(), 4 * 9);
+        let many = t.settle_many(1);
+        let (expiry, state) = (
+            many.find("expires_at_ms = IF").unwrap(),
+            many.find("state = IF").unwrap(),
+        );
+        assert!(expiry < many.find("lease_until_ms = IF").unwrap() && expiry < state);
+        assert!(many.ends_with("VALUES(state), state)"), "{many}");
     }
 }
