@@ -2,7 +2,9 @@
 //! transaction: one claim carries the server's clock back in the statement's answer
 //! (`LAST_INSERT_ID(now)`), a batch names the keys it inserted with `RETURNING` where the
 //! server has it (MariaDB 10.5+). The keys that exist (and, on a server without
-//! `RETURNING`, every key of a batch) take the locking transaction: the records of the
+//! `RETURNING`, every key of a batch) are read without a lock, and a claim whose answer
+//! writes nothing (a replay, a live lease) is answered from that read; the rest take the
+//! locking transaction: the records of the
 //! distinct keys are locked and read in one statement, each claim is answered in order by
 //! idem's state machine against the record the earlier claims left (so a key repeated in
 //! the batch sees the first claim's lease), the records granted are written in one
@@ -18,7 +20,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use crate::backend::MySqlBackend;
 use crate::error::{map, retryable};
-use crate::locked::MyQuery;
+use crate::locked::{MyQuery, distinct};
 
 /// The longest owner an `INSERT IGNORE` is given: a `BLOB` column's limit, which an
 /// ignoring insert would truncate to rather than refuse.
@@ -53,9 +55,16 @@ impl MySqlBackend {
             self.fresh_batches
                 .store(fastrand::u8(..16) == 0, Ordering::Relaxed);
         }
-        let rest: Vec<usize> = (0..claims.len())
-            .filter(|&i| answers[i].is_none())
-            .collect();
+        let pending = |answers: &[Option<ClaimOutcome>]| -> Vec<usize> {
+            (0..claims.len())
+                .filter(|&i| answers[i].is_none())
+                .collect()
+        };
+        let rest = pending(&answers);
+        if !rest.is_empty() {
+            self.claim_read(claims, &rest, &mut answers).await?;
+        }
+        let rest = pending(&answers);
         if !rest.is_empty() {
             let locked = self.claim_locked(claims, &rest).await?;
             for (i, answer) in rest.into_iter().zip(locked) {
@@ -134,6 +143,43 @@ impl MySqlBackend {
                 };
                 let now = inserted_at(&claims[i], until);
                 answers[i] = Some(ClaimOutcome::Acquired(machine::first(&claims[i], now).0));
+            }
+        }
+        Ok(())
+    }
+
+    /// Answers from one plain read (no lock, no transaction, the server's clock) the
+    /// claims at `rest` whose answer writes nothing: a stored response, a live lease, a
+    /// payload mismatch, poisoned. Each is true of the record as committed when read. A
+    /// claim that would write, and every later claim of its key, is left for the
+    /// transaction.
+    async fn claim_read(
+        &self,
+        claims: &[Claim],
+        rest: &[usize],
+        answers: &mut [Option<ClaimOutcome>],
+    ) -> Result<()> {
+        let keys: Vec<_> = rest.iter().map(|&i| &claims[i].key).collect();
+        let keys = distinct(&keys);
+        let read = async {
+            let mut conn = self.pool.acquire().await?;
+            self.read(&mut conn, &keys, false).await
+        };
+        let snapshot = match self.timed_raw("claim", read).await? {
+            Ok(snapshot) => snapshot?,
+            Err(e) => return Err(map("claim", e)),
+        };
+        let mut blocked = HashSet::new();
+        for &i in rest {
+            let key = &claims[i].key;
+            if blocked.contains(key) {
+                continue;
+            }
+            match machine::claim(snapshot.get(key), &claims[i], snapshot.now) {
+                (answer, None) => answers[i] = Some(answer),
+                (_, Some(_)) => {
+                    blocked.insert(key);
+                }
             }
         }
         Ok(())

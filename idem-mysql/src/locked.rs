@@ -151,11 +151,26 @@ impl MySqlBackend {
         conn: &mut MySqlConnection,
         keys: &[&Key],
     ) -> std::result::Result<Result<Locked>, sqlx::Error> {
+        self.read(conn, keys, true).await
+    }
+
+    /// Reads the records of `keys` (distinct), with the server's clock, locking them
+    /// where `for_update` (otherwise the result is a snapshot, not to be written back).
+    pub(crate) async fn read(
+        &self,
+        conn: &mut MySqlConnection,
+        keys: &[&Key],
+        for_update: bool,
+    ) -> std::result::Result<Result<Locked>, sqlx::Error> {
         let mut slots = HashMap::with_capacity(keys.len());
         let mut now = None;
         for chunk in keys.chunks(LOCK_CHUNK) {
             let padded = chunk.len().next_power_of_two();
-            let sql = self.tables.lock(padded);
+            let sql = if for_update {
+                self.tables.lock(padded)
+            } else {
+                self.tables.read(padded)
+            };
             let mut query = sqlx::query(AssertSqlSafe(sql));
             let last = chunk[chunk.len() - 1];
             for key in chunk
@@ -234,7 +249,7 @@ impl MySqlBackend {
 }
 
 /// `keys` without repeats, in their first order.
-fn distinct<'k>(keys: &[&'k Key]) -> Vec<&'k Key> {
+pub(crate) fn distinct<'k>(keys: &[&'k Key]) -> Vec<&'k Key> {
     let mut seen = std::collections::HashSet::with_capacity(keys.len());
     keys.iter().copied().filter(|k| seen.insert(*k)).collect()
 }

@@ -95,6 +95,13 @@ impl Tables {
     /// (measured: 39 ms per claim of 35 keys at 16,000 rows, against 8 ms for 150 keys
     /// on the primary key).
     pub fn lock(&self, n: usize) -> String {
+        let mut s = self.read(n);
+        s.push_str(" FOR UPDATE");
+        s
+    }
+
+    /// [`Tables::lock`]'s read without the locks: the records as committed now.
+    pub fn read(&self, n: usize) -> String {
         let mut s = format!(
             "SELECT d.now_ms, {} FROM (SELECT {NOW_MS} AS now_ms) d LEFT JOIN {} r FORCE INDEX (PRIMARY) ON (r.namespace, r.id) IN (",
             columns("r."),
@@ -103,7 +110,7 @@ impl Tables {
         for i in 0..n {
             s.push_str(if i == 0 { "(?, ?)" } else { ", (?, ?)" });
         }
-        s.push_str(") FOR UPDATE");
+        s.push(')');
         s
     }
 
