@@ -35,8 +35,8 @@ pub struct MySqlBackend {
     pub(crate) max_response_bytes: usize,
     purge_batch: u32,
     pub(crate) timeout: Duration,
-    /// Whether the last batch of claims was mostly keys with no row: the next one tries
-    /// the fresh insert first.
+    /// Whether the last claim (or batch of claims) was mostly of keys with no row: the
+    /// next one tries the fresh insert first.
     pub(crate) fresh_batches: Arc<AtomicBool>,
     /// Whether the server has `INSERT … RETURNING`: 0 not asked yet, 1 no, 2 yes.
     returning: Arc<AtomicU8>,

@@ -8,8 +8,8 @@
 //! distinct keys are locked and read in one statement, each claim is answered in order by
 //! idem's state machine against the record the earlier claims left (so a key repeated in
 //! the batch sees the first claim's lease), the records granted are written in one
-//! statement, then COMMIT. After a batch whose keys mostly existed, the next batch goes
-//! straight to the transaction.
+//! statement, then COMMIT. After a claim (or a batch) whose keys mostly existed, the next
+//! one skips the insert.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -43,15 +43,19 @@ impl MySqlBackend {
             return Ok(Vec::new());
         }
         let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
-        if let [claim] = claims {
+        let fresh = self.fresh_batches.load(Ordering::Relaxed);
+        if let ([claim], true) = (claims, fresh) {
             answers[0] = self.claim_fresh_one(claim).await?;
-        } else if self.fresh_batches.load(Ordering::Relaxed) && self.returning().await? {
+            self.fresh_batches
+                .store(answers[0].is_some(), Ordering::Relaxed);
+        } else if claims.len() > 1 && fresh && self.returning().await? {
             self.claim_fresh_many(claims, &mut answers).await?;
             let new = answers.iter().filter(|a| a.is_some()).count();
             self.fresh_batches
                 .store(2 * new >= claims.len(), Ordering::Relaxed);
         } else {
-            // Batches of keys that exist skip the insert; one in sixteen tries it again.
+            // After claims of keys that existed, the insert is skipped; one claim in sixteen
+            // tries it again.
             self.fresh_batches
                 .store(fastrand::u8(..16) == 0, Ordering::Relaxed);
         }
