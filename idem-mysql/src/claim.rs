@@ -25,15 +25,17 @@ use crate::locked::{MyQuery, distinct};
 /// The longest owner an `INSERT IGNORE` is given: a `BLOB` column's limit, which an
 /// ignoring insert would truncate to rather than refuse.
 const MAX_OWNER_BYTES: usize = u16::MAX as usize;
-/// The longest lease and retention an `INSERT IGNORE` is given (2^50 ms, about 35,000
-/// years): past it the server's sum could overflow, which an ignoring insert would clamp.
-const MAX_LIFE_MS: i64 = 1 << 50;
 
-/// Whether `claim` can take the ignoring insert: anything it would truncate or clamp goes
-/// to the transaction, whose insert refuses it.
+/// Whether `claim` can take the ignoring insert: an owner it would truncate goes to the
+/// transaction, whose insert refuses it.
 fn fits(claim: &Claim) -> bool {
     claim.owner.len() <= MAX_OWNER_BYTES
-        && millis(claim.lease_ttl).saturating_add(millis(claim.retention)) <= MAX_LIFE_MS
+}
+
+/// `d` capped as every store caps durations ([`idem_core::backend::millis`]), so that
+/// every path stores the deadline the lease names.
+pub(crate) fn capped(d: std::time::Duration) -> std::time::Duration {
+    std::time::Duration::from_millis(idem_core::backend::millis(d))
 }
 
 impl MySqlBackend {
@@ -42,6 +44,24 @@ impl MySqlBackend {
         if claims.is_empty() {
             return Ok(Vec::new());
         }
+        let over = |d: std::time::Duration| capped(d) != d;
+        let within: Vec<Claim>;
+        let claims = if claims
+            .iter()
+            .any(|c| over(c.lease_ttl) || over(c.retention))
+        {
+            within = claims
+                .iter()
+                .map(|c| Claim {
+                    lease_ttl: capped(c.lease_ttl),
+                    retention: capped(c.retention),
+                    ..c.clone()
+                })
+                .collect();
+            &within[..]
+        } else {
+            claims
+        };
         let mut answers: Vec<Option<ClaimOutcome>> = vec![None; claims.len()];
         let fresh = self.fresh_batches.load(Ordering::Relaxed);
         if let ([claim], true) = (claims, fresh) {
@@ -86,7 +106,13 @@ impl MySqlBackend {
         }
         let sql = self.tables.claim_fresh(1, false);
         let query = bind_fresh(sqlx::query(AssertSqlSafe(sql)), claim);
-        let done = self.timed("claim", query.execute(&self.pool)).await?;
+        let done = match self.timed_raw("claim", query.execute(&self.pool)).await? {
+            Ok(done) => done,
+            // A deadlock or lock wait (the key's row held by another transaction): the
+            // transaction, which retries, decides.
+            Err(e) if retryable(&e) => return Ok(None),
+            Err(e) => return Err(map("claim", e)),
+        };
         if done.rows_affected() == 0 {
             return Ok(None);
         }
@@ -225,9 +251,10 @@ fn bind_fresh<'q>(query: MyQuery<'q>, claim: &'q Claim) -> MyQuery<'q> {
         .bind(ttl.saturating_add(millis(claim.retention)))
 }
 
-/// A duration in whole milliseconds, as the record's clock counts them.
+/// A duration in whole milliseconds, capped as every store caps them
+/// ([`idem_core::backend::millis`]).
 fn millis(d: std::time::Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(idem_core::backend::millis(d)).unwrap_or(i64::MAX)
 }
 
 /// The server's clock when `claim` was inserted with the lease deadline `until_ms`.

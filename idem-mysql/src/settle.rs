@@ -1,8 +1,9 @@
 //! Settles. An oversized response is refused before anything is sent. Completes and
 //! fails of distinct keys are fenced updates: one autocommitted `UPDATE … WHERE` the lease
 //! holds the record for a single item (its row count is the answer); for a batch, one
-//! `UPDATE … JOIN` per run of keys in a transaction that commits only if every item held,
-//! and rolls back otherwise, so that no item's answer is guessed. The rest (a release, a
+//! fenced `INSERT … ON DUPLICATE KEY UPDATE` per 512 items in a transaction that commits
+//! only if every item held, and rolls back otherwise, so that no item's answer is guessed.
+//! A deadlock or lock wait on either leaves the items to the transaction, which retries. The rest (a release, a
 //! key settled twice in one batch, a batch where some lease no longer held) take the
 //! locking transaction: the items are decided in order by idem's state machine against the
 //! locked records (so a key settled twice sees the first settle's result), and the records
@@ -29,6 +30,7 @@ impl MySqlBackend {
         items: &[Settlement],
         retention: Duration,
     ) -> Result<Vec<Result<()>>> {
+        let retention = crate::claim::capped(retention);
         let limit = self.max_response_bytes;
         let mut answers: Vec<Option<Result<()>>> = Vec::with_capacity(items.len());
         let mut sent = Vec::with_capacity(items.len());
@@ -78,7 +80,11 @@ impl MySqlBackend {
                 .bind(keep)
                 .bind(keep);
             let query = bind_fence(bind_settle(query, item), &item.lease);
-            let done = self.timed("settle", query.execute(&self.pool)).await?;
+            let done = match self.timed_raw("settle", query.execute(&self.pool)).await? {
+                Ok(done) => done,
+                Err(e) if retryable(&e) => return Ok(None),
+                Err(e) => return Err(map("settle", e)),
+            };
             let held = done.rows_affected() == 1;
             return Ok(Some(vec![if held {
                 Ok(())
@@ -148,6 +154,7 @@ impl MySqlBackend {
 
     /// The body of `extend`.
     pub(crate) async fn extend_lease(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
+        let ttl = crate::claim::capped(ttl);
         self.transact("extend", &[&lease.key], |locked| {
             let record = machine::extend(locked.get(&lease.key), lease, ttl, locked.now)?;
             let until = record.lease_until;
@@ -181,9 +188,10 @@ pub(crate) fn settle_locked(
     }
 }
 
-/// A duration in whole milliseconds, as the record's clock counts them.
+/// A duration in whole milliseconds, capped as every store caps them
+/// ([`idem_core::backend::millis`]), so that no sum on the server overflows.
 fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(idem_core::backend::millis(d)).unwrap_or(i64::MAX)
 }
 
 /// Binds a lease's key, token and owner, in that order.
