@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use crate::backend::MySqlBackend;
 use crate::error::{map, retryable};
-use crate::locked::{MyQuery, distinct};
+use crate::locked::{MyQuery, capped, distinct, millis};
 
 /// The longest owner an `INSERT IGNORE` is given: a `BLOB` column's limit, which an
 /// ignoring insert would truncate to rather than refuse.
@@ -30,12 +30,6 @@ const MAX_OWNER_BYTES: usize = u16::MAX as usize;
 /// transaction, whose insert refuses it.
 fn fits(claim: &Claim) -> bool {
     claim.owner.len() <= MAX_OWNER_BYTES
-}
-
-/// `d` capped as every store caps durations ([`idem_core::backend::millis`]), so that
-/// every path stores the deadline the lease names.
-pub(crate) fn capped(d: std::time::Duration) -> std::time::Duration {
-    std::time::Duration::from_millis(idem_core::backend::millis(d))
 }
 
 impl MySqlBackend {
@@ -73,9 +67,10 @@ impl MySqlBackend {
             let new = answers.iter().filter(|a| a.is_some()).count();
             self.fresh_batches
                 .store(2 * new >= claims.len(), Ordering::Relaxed);
-        } else {
+        } else if !fresh {
             // After claims of keys that existed, the insert is skipped; one claim in sixteen
-            // tries it again.
+            // tries it again. (A batch on a server without `RETURNING` leaves the hint to
+            // single claims.)
             self.fresh_batches
                 .store(fastrand::u8(..16) == 0, Ordering::Relaxed);
         }
@@ -249,12 +244,6 @@ fn bind_fresh<'q>(query: MyQuery<'q>, claim: &'q Claim) -> MyQuery<'q> {
         .bind(ttl)
         .bind(claim.fingerprint.as_ref().map(|f| &f.0[..]))
         .bind(ttl.saturating_add(millis(claim.retention)))
-}
-
-/// A duration in whole milliseconds, capped as every store caps them
-/// ([`idem_core::backend::millis`]).
-fn millis(d: std::time::Duration) -> i64 {
-    i64::try_from(idem_core::backend::millis(d)).unwrap_or(i64::MAX)
 }
 
 /// The server's clock when `claim` was inserted with the lease deadline `until_ms`.

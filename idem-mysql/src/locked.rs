@@ -37,7 +37,7 @@ const WRITE_CHUNK: usize = 256;
 // nothing), and writes are cut into power-of-two runs: at most 12 + 2 × 9 texts.
 
 /// `items` cut into runs whose lengths are powers of two, at most `max`, longest first.
-pub(crate) fn power_of_two_runs<T>(items: &[T], max: usize) -> impl Iterator<Item = &[T]> {
+fn power_of_two_runs<T>(items: &[T], max: usize) -> impl Iterator<Item = &[T]> {
     let mut rest = items;
     std::iter::from_fn(move || {
         if rest.is_empty() {
@@ -263,6 +263,18 @@ fn checked(record: &Record) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// `d` capped as every store caps durations ([`idem_core::backend::millis`]), so that
+/// every path stores the deadline its lease names and no sum on the server overflows.
+pub(crate) fn capped(d: Duration) -> Duration {
+    Duration::from_millis(idem_core::backend::millis(d))
+}
+
+/// A duration in whole milliseconds, as the columns hold them (at most
+/// [`idem_core::backend::MAX_MILLIS`]).
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(idem_core::backend::millis(d)).unwrap_or(i64::MAX)
 }
 
 fn ms(t: Option<Timestamp>) -> Option<i64> {

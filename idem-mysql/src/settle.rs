@@ -3,9 +3,9 @@
 //! holds the record for a single item (its row count is the answer); for a batch, one
 //! fenced `INSERT … ON DUPLICATE KEY UPDATE` per 512 items in a transaction that commits
 //! only if every item held, and rolls back otherwise, so that no item's answer is guessed.
-//! A deadlock or lock wait on either leaves the items to the transaction, which retries. The rest (a release, a
-//! key settled twice in one batch, a batch where some lease no longer held) take the
-//! locking transaction: the items are decided in order by idem's state machine against the
+//! A deadlock or lock wait on either leaves the items to the transaction, which retries.
+//! The rest (a release, a key settled twice in one batch, a batch where some lease no
+//! longer held) take the locking transaction: the items are decided in order by idem's state machine against the
 //! locked records (so a key settled twice sees the first settle's result), and the records
 //! that changed are written in one statement. Extends go the same way.
 
@@ -17,7 +17,7 @@ use sqlx::AssertSqlSafe;
 
 use crate::backend::MySqlBackend;
 use crate::error::{map, retryable};
-use crate::locked::{Locked, MyQuery};
+use crate::locked::{Locked, MyQuery, capped, millis};
 
 /// Items per fenced batch statement (9 parameters each), a power of two: a consumer's poll
 /// batch of up to 500 is one statement.
@@ -30,7 +30,7 @@ impl MySqlBackend {
         items: &[Settlement],
         retention: Duration,
     ) -> Result<Vec<Result<()>>> {
-        let retention = crate::claim::capped(retention);
+        let retention = capped(retention);
         let limit = self.max_response_bytes;
         let mut answers: Vec<Option<Result<()>>> = Vec::with_capacity(items.len());
         let mut sent = Vec::with_capacity(items.len());
@@ -154,7 +154,7 @@ impl MySqlBackend {
 
     /// The body of `extend`.
     pub(crate) async fn extend_lease(&self, lease: &Lease, ttl: Duration) -> Result<Timestamp> {
-        let ttl = crate::claim::capped(ttl);
+        let ttl = capped(ttl);
         self.transact("extend", &[&lease.key], |locked| {
             let record = machine::extend(locked.get(&lease.key), lease, ttl, locked.now)?;
             let until = record.lease_until;
@@ -186,12 +186,6 @@ pub(crate) fn settle_locked(
         }
         None => Err(Error::fenced(&item.lease)),
     }
-}
-
-/// A duration in whole milliseconds, capped as every store caps them
-/// ([`idem_core::backend::millis`]), so that no sum on the server overflows.
-fn millis(d: Duration) -> i64 {
-    i64::try_from(idem_core::backend::millis(d)).unwrap_or(i64::MAX)
 }
 
 /// Binds a lease's key, token and owner, in that order.

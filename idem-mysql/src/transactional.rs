@@ -86,7 +86,7 @@ impl TxStore for MySqlBackend {
         at: Option<&OffsetPosition>,
     ) -> Result<usize> {
         let what = "settle in transaction";
-        let retention = crate::claim::capped(retention);
+        let retention = crate::locked::capped(retention);
         let conn = &mut **tx;
         let keys: Vec<_> = items.iter().map(|i| &i.lease.key).collect();
         let work = async {
